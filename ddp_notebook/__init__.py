@@ -1,0 +1,83 @@
+"""Multi-GPU PyTorch DistributedDataParallel training, interactive, inside Jupyter.
+
+In a notebook::
+
+    %load_ext ddp_notebook
+    %ddp_start 2
+
+From Python::
+
+    from ddp_notebook import DDPCluster
+    with DDPCluster(2) as world:
+        world.execute("print(rank, world_size)")
+
+The helpers used inside `%%ddp` cells (`prepare_model`, `prepare_loader`, ...) import torch
+and are loaded on first use, so the notebook kernel itself never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .cluster import CellResult, DDPCluster, RankInfo, RankStatus
+from .config import WorldConfig
+from .errors import (
+    CellInterruptedError,
+    CellTimeoutError,
+    DDPError,
+    DDPUsageError,
+    NotRunningError,
+    RankError,
+    StartError,
+)
+
+if TYPE_CHECKING:
+    from .rank import barrier, is_main, prepare_loader, prepare_model, save_checkpoint
+
+_RANK_HELPERS = ("barrier", "is_main", "prepare_loader", "prepare_model", "save_checkpoint")
+
+__all__ = [
+    "CellInterruptedError",
+    "CellResult",
+    "CellTimeoutError",
+    "DDPCluster",
+    "DDPError",
+    "DDPUsageError",
+    "NotRunningError",
+    "RankError",
+    "RankInfo",
+    "RankStatus",
+    "StartError",
+    "WorldConfig",
+    "__version__",
+    "barrier",
+    "is_main",
+    "load_ipython_extension",
+    "prepare_loader",
+    "prepare_model",
+    "save_checkpoint",
+    "unload_ipython_extension",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RANK_HELPERS:
+        from . import rank
+
+        return getattr(rank, name)
+    raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext ddp_notebook`: register the ddp magics (loading twice is harmless)."""
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """`%unload_ext ddp_notebook`: stop the running world and remove the magics."""
+    from .magics import unload
+
+    unload(ipython)

@@ -1,0 +1,83 @@
+"""Start-up of the processes a world is made of (rank engines, the controller).
+
+Both run ipyparallel's own entry points, with two additions:
+- an owner watch: if the kernel that started the world dies (even by SIGKILL, when no
+  clean-up can run there), these processes notice within a second or two and exit, so a
+  dead kernel never leaves engines holding GPUs;
+- on ranks, torch is imported in a background thread while the engine registers with the
+  controller, so the two waits overlap instead of adding up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"
+PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"
+OWNER_POLL_SECONDS = 1.0
+
+
+def _owner_alive(owner_pid: int, parent_pid: int) -> bool:
+    # re-parenting means the process that launched us is gone, even if its PID was reused
+    if os.getppid() != parent_pid:
+        return False
+    try:
+        os.kill(owner_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_owner() -> None:
+    """Exit this process once the owning kernel is gone (polls, never blocks start-up)."""
+    text = os.environ.get(OWNER_PID_ENV, "")
+    if not text.isdigit():
+        return
+    owner_pid, parent_pid = int(text), os.getppid()
+
+    def watch() -> None:
+        while _owner_alive(owner_pid, parent_pid):
+            time.sleep(OWNER_POLL_SECONDS)
+        # no clean shutdown is possible: the peers and the controller are going away too
+        os._exit(3)
+
+    threading.Thread(target=watch, name="ddp-owner-watch", daemon=True).start()
+
+
+def _preload() -> None:
+    try:
+        import ddp_notebook.rank  # noqa: F401  (imports torch and torch.distributed)
+    except Exception:  # noqa: BLE001
+        # the same import runs again when the world is set up, and reports the error there
+        pass
+
+
+def engine_main() -> None:
+    watch_owner()
+    if os.environ.get(PRELOAD_ENV, "1") != "0":
+        threading.Thread(target=_preload, name="ddp-preload", daemon=True).start()
+    from ipyparallel.engine.app import main
+
+    main()
+
+
+def controller_main() -> None:
+    watch_owner()
+    from ipyparallel.controller.app import main
+
+    main()
+
+
+if __name__ == "__main__":
+    role = sys.argv.pop(1) if len(sys.argv) > 1 else ""
+    if role == "engine":
+        engine_main()
+    elif role == "controller":
+        controller_main()
+    else:
+        sys.exit("usage: python -m ddp_notebook._process engine|controller [ipyparallel args]")

@@ -1,0 +1,31 @@
+"""Functions shipped to the ranks by reference.
+
+ipyparallel sends a function's code and re-imports its module on the rank. These
+trampolines live in a module that does not import torch, so the notebook kernel can ship
+them without importing torch itself; on the rank they call into `ddp_notebook.rank`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def call_rank(function_name: str, *args: Any) -> Any:
+    """Call `ddp_notebook.rank.<function_name>(*args)` on the rank."""
+    import importlib
+
+    module = importlib.import_module("ddp_notebook.rank")
+    return getattr(module, function_name)(*args)
+
+
+def pull_names(names: list[str]) -> dict[str, Any]:
+    """Values of `names` in the rank's user namespace; a missing name is reported, not raised."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    found: dict[str, Any] = {}
+    missing = [name for name in names if name not in namespace]
+    for name in names:
+        if name in namespace:
+            found[name] = namespace[name]
+    return {"found": found, "missing": missing}

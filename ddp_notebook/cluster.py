@@ -1,0 +1,810 @@
+"""DDPCluster: one world of ranks on an ipyparallel cluster, driven from Python.
+
+It owns one `ipyparallel.Cluster` (controller + one engine per rank) and one `Client`,
+keeps the rank -> engine map (engine ids are not ranks, and change on restart), sets up
+the default process group on every rank, and runs cells on chosen ranks with their output
+streamed back live. The magics are a thin layer over this class.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from . import _process, _remote, config, devices
+from .cells import check_syntax
+from .errors import (
+    CellInterruptedError,
+    CellTimeoutError,
+    DDPError,
+    DDPUsageError,
+    NotRunningError,
+    RankError,
+    RankFailure,
+    StartError,
+)
+from .output import LineAssembler, tag_lines
+
+log = logging.getLogger("ddp_notebook")
+
+# ipyparallel's heartbeat paces engine registration: 3 s by default, which dominates start.
+HEARTBEAT_PERIOD_MS = 200
+# how long a busy rank may miss heartbeats before the controller drops it (10 s)
+HEARTBEAT_MISSES = 50
+# after an interrupt or timeout, how long the ranks get to stop before we give up waiting
+INTERRUPT_GRACE_SECONDS = 5.0
+# after every rank replied, how long to wait for the tail of its output
+OUTPUT_DRAIN_SECONDS = 2.0
+STOP_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank lives."""
+
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    device: str
+    device_name: str
+    gpu: str | None
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One row of `status()`."""
+
+    rank: int
+    state: str  # idle | busy | gone
+    host: str
+    pid: int
+    device: str
+    memory_mb: float | None
+    gpu_memory_mb: float | None
+
+
+@dataclass
+class CellResult:
+    """What a cell gave back: per-rank last-expression values and (unstreamed) output."""
+
+    ranks: tuple[int, ...]
+    values: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stdout: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+    elapsed: float = 0.0
+
+    def value_text(self, rank: int) -> str | None:
+        """The plain-text form of `rank`'s last expression, if the cell ended in one."""
+        bundle = self.values.get(rank)
+        return None if bundle is None else str(bundle.get("text/plain", ""))
+
+
+class DDPCluster:
+    """A world of DDP ranks on this machine.
+
+    >>> with DDPCluster(2) as world:                      # doctest: +SKIP
+    ...     world.execute("print(rank, world_size)")
+    [rank 0] 0 2
+    [rank 1] 1 2
+
+    Nothing starts until `start()` (or entering the `with` block); arguments are checked
+    first, so a bad request starts nothing.
+    """
+
+    def __init__(
+        self,
+        n_ranks: int | None = None,
+        *,
+        backend: str = "auto",
+        gpus: str | list[int | str] | tuple[int | str, ...] | None = None,
+        timeout: float = config.DEFAULT_COLLECTIVE_TIMEOUT,
+        cell_timeout: float | None = None,
+        start_timeout: float = config.DEFAULT_START_TIMEOUT,
+        env: dict[str, str] | None = None,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.config = config.resolve(
+            n_ranks,
+            backend=backend,
+            gpus=gpus,
+            timeout=timeout,
+            cell_timeout=cell_timeout,
+            start_timeout=start_timeout,
+            env=env,
+        )
+        self._stdout = stdout
+        self._stderr = stderr
+        self._cluster: Any = None
+        self._client: Any = None
+        self._ranks: dict[int, RankInfo] = {}
+        self._slot_of_rank: dict[int, int] = {}
+        self.start_seconds: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def world_size(self) -> int:
+        return self.config.n_ranks
+
+    @property
+    def ranks(self) -> tuple[RankInfo, ...]:
+        return tuple(self._ranks[r] for r in sorted(self._ranks))
+
+    def __enter__(self) -> DDPCluster:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<DDPCluster {self.config.n_ranks} ranks, {self.config.backend}, {state}>"
+
+    def start(self) -> DDPCluster:
+        """Start the controller and the ranks, and join them into one process group."""
+        if self.running:
+            raise DDPUsageError("this world is already running; stop() it first")
+        began = time.perf_counter()
+        try:
+            self._launch()
+            engine_of_slot = self._wait_for_ranks(began + self.config.start_timeout)
+            self._init_process_group(engine_of_slot, began + self.config.start_timeout)
+        except BaseException as failure:
+            self._teardown()
+            if isinstance(failure, (DDPError, KeyboardInterrupt)):
+                raise
+            raise StartError(f"could not start the world: {failure}") from failure
+        self.start_seconds = time.perf_counter() - began
+        return self
+
+    def stop(self) -> bool:
+        """Stop every rank and the controller. Returns False if nothing was running."""
+        if self._cluster is None and self._client is None:
+            return False
+        self._leave_process_group()
+        self._teardown()
+        return True
+
+    def _launch(self) -> None:
+        import ipyparallel as ipp
+
+        cfg = self.config
+        self._cluster = ipp.Cluster(
+            n=0,
+            delay=0,
+            # start the ranks together with the controller, not after it: their imports
+            # (ipyparallel, then torch) overlap the controller's start-up; they wait for its
+            # connection file in the (user-private) profile security directory
+            send_engines_connection_env=False,
+            controller_ip="127.0.0.1",
+            controller_args=[
+                f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+            log_level=logging.WARNING,
+        )
+        owner = {_process.OWNER_PID_ENV: str(os.getpid())}
+        self._cluster.start_controller_sync(
+            controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
+            environment=dict(owner),
+        )
+        loopback = devices.loopback_interface()
+        for slot in range(cfg.n_ranks):
+            environment = {
+                **cfg.env,
+                **owner,
+                "DDP_NOTEBOOK_SLOT": str(slot),
+                "OMP_NUM_THREADS": str(cfg.threads_per_rank),
+                "PYTHONUNBUFFERED": "1",
+            }
+            if cfg.gpus:
+                environment["CUDA_VISIBLE_DEVICES"] = cfg.gpus[slot]
+            elif devices.visible_gpus():
+                environment["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks on a GPU machine stay off the GPUs
+            if loopback:
+                environment["GLOO_SOCKET_IFNAME"] = loopback
+                environment["NCCL_SOCKET_IFNAME"] = loopback
+            self._cluster.start_engines_sync(
+                n=1,
+                engine_set_id=_engine_set_id(slot),
+                environment=environment,
+                engine_cmd=[sys.executable, "-m", "ddp_notebook._process", "engine"],
+                engine_args=[f"--IPEngine.wait_for_url_file={cfg.start_timeout:g}"],
+                delay=0,
+            )
+            self._slot_of_rank[slot] = slot
+        self._client = self._cluster.connect_client_sync()
+
+    def _wait_for_ranks(self, deadline: float) -> dict[int, int]:
+        n = self.config.n_ranks
+        client = self._client
+        while len(client.ids) < n:
+            dead = self._exited_slots()
+            if dead:
+                slot, detail = dead[0]
+                raise StartError(f"rank {slot} exited while starting{detail}")
+            if time.perf_counter() > deadline:
+                raise StartError(
+                    f"only {len(client.ids)} of {n} ranks registered within "
+                    f"{self.config.start_timeout:g} s; raise start_timeout on a slow machine"
+                )
+            time.sleep(0.02)
+        view = client[:]
+        described = view.apply_async(_remote.call_rank, "describe")
+        identities = described.get(timeout=max(1.0, deadline - time.perf_counter()))
+        engine_of_slot: dict[int, int] = {}
+        hosts_pids: dict[int, tuple[str, int]] = {}
+        for engine_id, identity in zip(described.engine_id, identities):
+            slot = identity["slot"]
+            engine_of_slot[slot] = engine_id
+            hosts_pids[slot] = (identity["host"], identity["pid"])
+        self._identities = hosts_pids
+        return engine_of_slot
+
+    def _init_process_group(self, engine_of_slot: dict[int, int], deadline: float) -> None:
+        cfg = self.config
+        client = self._client
+        port = (
+            client[engine_of_slot[0]]
+            .apply_async(_remote.call_rank, "open_rendezvous", cfg.master_addr)
+            .get(timeout=max(1.0, deadline - time.perf_counter()))
+        )
+        pending = {}
+        for slot, engine_id in engine_of_slot.items():
+            spec = {
+                "rank": slot,
+                "world_size": cfg.n_ranks,
+                "local_rank": slot,
+                "local_world_size": cfg.n_ranks,
+                "group_rank": 0,
+                "master_addr": cfg.master_addr,
+                "master_port": port,
+                "backend": cfg.backend,
+                "timeout": cfg.timeout,
+                "threads": cfg.threads_per_rank,
+            }
+            pending[slot] = client[engine_id].apply_async(_remote.call_rank, "init_world", spec)
+        for slot, result in pending.items():
+            try:
+                info = result.get(timeout=max(1.0, deadline - time.perf_counter()))
+            except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
+                raise StartError(f"rank {slot} could not join the process group: {_one_line(failure)}") from None
+            host, pid = self._identities[slot]
+            self._ranks[slot] = RankInfo(
+                rank=slot,
+                engine_id=engine_of_slot[slot],
+                host=host,
+                pid=pid,
+                device=info["device"],
+                device_name=info["device_name"],
+                gpu=cfg.gpus[slot] if cfg.gpus else None,
+            )
+
+    def _exited_slots(self) -> list[tuple[int, str]]:
+        exited = []
+        for slot in range(self.config.n_ranks):
+            engine_set = self._cluster.engines.get(_engine_set_id(slot))
+            if engine_set is None:
+                continue
+            for launcher in engine_set.launchers.values():
+                process = getattr(launcher, "process", None)
+                if process is None:
+                    continue
+                try:
+                    code = process.wait(timeout=0)
+                except Exception:  # noqa: BLE001  (still running: psutil.TimeoutExpired)
+                    continue
+                tail = _log_tail(getattr(launcher, "output_file", ""))
+                exited.append((slot, f" (exit code {code}){': ' + tail if tail else ''}"))
+        return exited
+
+    def _leave_process_group(self) -> None:
+        # destroying the group before the processes go avoids gloo/nccl aborting on exit
+        client = self._client
+        if client is None:
+            return
+        try:
+            idle = [
+                info.engine_id
+                for info in self._ranks.values()
+                if client.queue_status(targets=info.engine_id).get("queue", 1) == 0
+            ]
+            if idle:
+                client[idle].apply_async(_remote.call_rank, "shutdown_world").get(timeout=3)
+        except Exception:
+            log.debug("leaving the process group failed", exc_info=True)
+
+    def _teardown(self) -> None:
+        client, cluster = self._client, self._cluster
+        self._client = None
+        self._cluster = None
+        self._ranks = {}
+        pids = self._started_pids(cluster)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing the client failed", exc_info=True)
+        if cluster is not None:
+            try:
+                _run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
+            except Exception:
+                log.debug("stopping the cluster failed", exc_info=True)
+            _kill_survivors(pids)
+            try:
+                cluster.remove_cluster_file()
+            except Exception:  # noqa: BLE001
+                pass
+
+    @staticmethod
+    def _started_pids(cluster: Any) -> list[int]:
+        """PIDs of the processes this world launched (the only ones we may ever kill)."""
+        if cluster is None:
+            return []
+        launchers = []
+        if cluster.controller is not None:
+            launchers.append(cluster.controller)
+        for engine_set in cluster.engines.values():
+            launchers.extend(getattr(engine_set, "launchers", {}).values())
+        return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0]
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the controller and rank processes of this world."""
+        return self._started_pids(self._cluster)
+
+    # ------------------------------------------------------------------ running cells
+
+    def execute(
+        self,
+        code: str,
+        ranks: Iterable[int] | str | None = None,
+        *,
+        timeout: float | None = None,
+        stream: bool = True,
+    ) -> CellResult:
+        """Run `code` as a cell on `ranks` (default: all) and wait for it.
+
+        Output streams back while the cell runs, each line tagged `[rank N] ` (written to
+        this process's stdout/stderr); with `stream=False` it is collected in the result
+        instead. Raises `RankError` if any rank raised (root cause first),
+        `CellTimeoutError` past `timeout` seconds and `CellInterruptedError` on Ctrl-C /
+        the notebook's stop button; in all three cases the ranks are left usable.
+        """
+        client = self._require_running()
+        targets = self._select(ranks)
+        check_syntax(code)
+        timeout = self.config.cell_timeout if timeout is None else timeout
+        if timeout is not None:
+            config._check_seconds("cell timeout", timeout)
+        engine_ids = [self._ranks[r].engine_id for r in targets]
+        began = time.perf_counter()
+        relay = _CellRelay(client, targets)
+        result = CellResult(ranks=targets)
+        async_result = client[engine_ids].execute(code, silent=False, block=False)
+        relay.attach(async_result)
+        sink = _OutputSink(self._stdout, self._stderr, result if not stream else None)
+        outcome = relay.wait(sink, timeout, interrupt=lambda: self._signal(targets, signal.SIGINT))
+        result.elapsed = time.perf_counter() - began
+        for rank, bundle in relay.values().items():
+            result.values[rank] = bundle
+        if outcome == "interrupted":
+            busy = relay.unfinished()
+            detail = f"; still running: {', '.join(map(str, busy))}" if busy else ""
+            raise CellInterruptedError(f"cell interrupted on ranks {_rank_list(targets)}{detail}")
+        if outcome == "timeout":
+            assert timeout is not None
+            raise CellTimeoutError(timeout, relay.unfinished())
+        failures = relay.failures()
+        if failures:
+            raise RankError(failures, busy_ranks=relay.unfinished())
+        return result
+
+    def _signal(self, ranks: Iterable[int], signum: int) -> None:
+        cluster = self._cluster
+        if cluster is None:
+            return
+        for rank in ranks:
+            engine_set = cluster.engines.get(_engine_set_id(self._slot_of_rank[rank]))
+            if engine_set is not None:
+                try:
+                    engine_set.signal(signum)
+                except Exception:
+                    log.debug("signal to rank %s failed", rank, exc_info=True)
+
+    def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
+        """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""
+        self._require_running()
+        self._signal(self._select(ranks), signal.SIGINT)
+
+    # ------------------------------------------------------------------ data in and out
+
+    def push(self, namespace: Mapping[str, Any], ranks: Iterable[int] | str | None = None) -> None:
+        """Copy `namespace`'s values into the user namespace of `ranks` (default: all)."""
+        client = self._require_running()
+        targets = self._select(ranks)
+        for name, value in namespace.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise DDPUsageError(f"cannot push {name!r}: names must be valid Python identifiers")
+            try:
+                pickle.dumps(value)
+            except Exception as failure:  # noqa: BLE001
+                raise DDPUsageError(
+                    f"cannot push '{name}': {type(value).__name__} cannot be pickled ({_one_line(failure)}); "
+                    "send what it is built from and build it on the ranks instead"
+                ) from None
+        client[[self._ranks[r].engine_id for r in targets]].push(dict(namespace), block=True)
+
+    def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> dict[int, Any]:
+        """`name`'s value on each of `ranks` (default: all), as {rank: value}."""
+        client = self._require_running()
+        targets = self._select(ranks)
+        pending = {
+            rank: client[self._ranks[rank].engine_id].apply_async(_remote.pull_names, [name]) for rank in targets
+        }
+        values: dict[int, Any] = {}
+        missing: list[int] = []
+        for rank, result in pending.items():
+            try:
+                reply = result.get(timeout=60)
+            except Exception as failure:  # noqa: BLE001
+                raise DDPError(f"could not pull '{name}' from rank {rank}: {_one_line(failure)}") from None
+            if reply["missing"]:
+                missing.append(rank)
+            else:
+                values[rank] = reply["found"][name]
+        if missing:
+            raise DDPUsageError(f"'{name}' is not defined on rank(s) {_rank_list(missing)}")
+        return values
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> list[RankStatus]:
+        """State (idle/busy/gone), host, pid, device and memory of every rank."""
+        client = self._require_running()
+        queues = client.queue_status()
+        gpu_memory = devices.gpu_memory_by_pid() if self.config.gpus else {}
+        local_host = socket.gethostname()
+        rows = []
+        for info in self.ranks:
+            entry = queues.get(info.engine_id)
+            if entry is None:
+                state = "gone"
+            else:
+                state = "busy" if entry.get("queue", 0) > 0 else "idle"
+            rows.append(
+                RankStatus(
+                    rank=info.rank,
+                    state=state,
+                    host=info.host,
+                    pid=info.pid,
+                    device=info.device,
+                    memory_mb=devices.resident_memory_mb(info.pid) if info.host == local_host else None,
+                    gpu_memory_mb=gpu_memory.get(info.pid),
+                )
+            )
+        return rows
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_running(self) -> Any:
+        if self._client is None:
+            raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
+        return self._client
+
+    def _select(self, ranks: Iterable[int] | str | None) -> tuple[int, ...]:
+        size = self.config.n_ranks
+        if ranks is None:
+            return tuple(range(size))
+        if isinstance(ranks, str):
+            return config.parse_ranks(ranks, size)
+        chosen = tuple(sorted(set(ranks)))
+        outside = [r for r in chosen if not (isinstance(r, int) and 0 <= r < size)]
+        if outside:
+            raise DDPUsageError(f"rank(s) {_rank_list(outside)} do not exist: this world has ranks 0-{size - 1}")
+        if not chosen:
+            raise DDPUsageError("no ranks selected")
+        return chosen
+
+
+class _OutputSink:
+    """Where a cell's output goes: tagged lines to stdout/stderr, or into the result."""
+
+    def __init__(self, stdout: TextIO | None, stderr: TextIO | None, collect: CellResult | None) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._collect = collect
+
+    def write(self, rank: int, stream: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        if self._collect is not None:
+            store = self._collect.stderr if stream == "stderr" else self._collect.stdout
+            store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
+            return
+        # looked up at write time: IPython swaps sys.stdout per cell
+        target = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
+        target.write(tag_lines(rank, lines))
+
+    def flush(self) -> None:
+        for target in (self._stdout or sys.stdout, self._stderr or sys.stderr):
+            try:
+                target.flush()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class _CellRelay:
+    """Carries one cell's messages from ipyparallel's IO thread to the waiting thread.
+
+    Registration happens on the IO thread itself, so each message is seen exactly once:
+    either it was already folded into ipyparallel's metadata (caught up at registration)
+    or it reaches our callback afterwards.
+    """
+
+    def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
+        self._client = client
+        self._ranks = ranks
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._async_result: Any = None
+        self._idle: set[int] = set()
+
+    def attach(self, async_result: Any) -> None:
+        self._async_result = async_result
+        registered = threading.Event()
+
+        def register() -> None:
+            try:
+                for rank, future in zip(self._ranks, async_result._children):
+                    self._catch_up(rank, future)
+                    future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
+                    # the output future resolves on the rank's 'idle' status, after all its output;
+                    # ipyparallel may drop the message future before that status reaches callbacks
+                    future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
+            finally:
+                registered.set()
+
+        self._client._io_loop.add_callback(register)
+        if not registered.wait(10):
+            raise DDPError("ipyparallel's IO thread did not respond within 10 s")
+        async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
+
+    def _catch_up(self, rank: int, future: Any) -> None:
+        metadata = future.output.metadata
+        for stream in ("stdout", "stderr"):
+            if metadata[stream]:
+                self._queue.put(("stream", rank, stream, metadata[stream]))
+        for output in metadata["outputs"]:
+            self._queue.put(("display", rank, output))
+
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        kind = msg["header"]["msg_type"]
+        content = msg["content"]
+        if kind == "stream":
+            self._queue.put(("stream", rank, content["name"], content["text"]))
+        elif kind == "display_data":
+            self._queue.put(("display", rank, content))
+
+    def wait(self, sink: _OutputSink, timeout: float | None, interrupt: Callable[[], None]) -> str:
+        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'."""
+        assembler = LineAssembler()
+        began = time.monotonic()
+        replied_at: float | None = None
+        stop_at: float | None = None  # set once we interrupted the ranks
+        outcome = "done"
+        while True:
+            now = time.monotonic()
+            if replied_at is not None and (self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS):
+                break
+            if stop_at is not None and now > stop_at:
+                break
+            if timeout is not None and stop_at is None and now - began > timeout:
+                outcome = "timeout"
+                interrupt()
+                stop_at = now + INTERRUPT_GRACE_SECONDS
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            except KeyboardInterrupt:
+                if stop_at is None:
+                    outcome = "interrupted"
+                    interrupt()
+                    stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
+                    continue
+                break  # a second interrupt: stop waiting now
+            replied_at = self._handle(item, sink, assembler, replied_at)
+            # drain whatever else is queued before writing, so output goes out in batches
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                replied_at = self._handle(item, sink, assembler, replied_at)
+            sink.flush()
+        for rank, stream, line in assembler.flush_all():
+            sink.write(rank, stream, [line])
+        sink.flush()
+        if outcome == "done" and not self._async_result.ready():
+            outcome = "interrupted"
+        return outcome
+
+    def _handle(
+        self, item: tuple[Any, ...], sink: _OutputSink, assembler: LineAssembler, replied_at: float | None
+    ) -> float | None:
+        kind = item[0]
+        if kind == "stream":
+            _, rank, stream, text = item
+            sink.write(rank, stream, assembler.feed(rank, stream, text))
+        elif kind == "display":
+            _, rank, content = item
+            _show_display(rank, content)
+        elif kind == "idle":
+            self._idle.add(item[1])
+        elif kind == "replied":
+            return time.monotonic()
+        return replied_at
+
+    def unfinished(self) -> tuple[int, ...]:
+        ar = self._async_result
+        return tuple(rank for rank, future in zip(self._ranks, ar._children) if not future.done())
+
+    def values(self) -> dict[int, dict[str, Any]]:
+        values = {}
+        for rank, future in zip(self._ranks, self._async_result._children):
+            executed = future.output.metadata.get("execute_result")
+            if executed:
+                values[rank] = executed.get("data", {})
+        return values
+
+    def failures(self) -> list[RankFailure]:
+        found = []
+        for rank, future in zip(self._ranks, self._async_result._children):
+            if not future.done():
+                continue
+            metadata = future.output.metadata
+            error = metadata.get("error")
+            if error is None:
+                try:
+                    reply = future.result()
+                except Exception as failure:  # noqa: BLE001  (e.g. the rank's process died)
+                    found.append(RankFailure(rank, type(failure).__name__, _one_line(failure)))
+                    continue
+                content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
+                if not content or content.get("status") != "error":
+                    continue
+                error = self._client._unwrap_exception(content)
+            completed = metadata.get("completed")
+            found.append(
+                RankFailure(
+                    rank=rank,
+                    ename=getattr(error, "ename", type(error).__name__),
+                    evalue=getattr(error, "evalue", str(error)),
+                    traceback=tuple(_traceback_lines(error)),
+                    completed=_epoch_seconds(completed),
+                )
+            )
+        return found
+
+
+def _traceback_lines(error: Any) -> list[str]:
+    rendered = getattr(error, "render_traceback", None)
+    if rendered is not None:
+        try:
+            return list(rendered())
+        except Exception:  # noqa: BLE001
+            pass
+    return [str(error)]
+
+
+def _epoch_seconds(stamp: Any) -> float | None:
+    """ipyparallel's timestamps arrive as datetimes or ISO strings."""
+    if stamp is None:
+        return None
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
+
+
+def _show_display(rank: int, content: dict[str, Any]) -> None:
+    try:
+        from IPython.display import publish_display_data
+    except ImportError:
+        return
+    publish_display_data(
+        data=content.get("data", {}),
+        metadata=content.get("metadata", {}),
+        transient=content.get("transient"),
+    )
+
+
+def _engine_set_id(slot: int) -> str:
+    return f"rank{slot}"
+
+
+def _rank_list(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _one_line(failure: BaseException) -> str:
+    text = str(failure).strip().splitlines()
+    return text[-1] if text else type(failure).__name__
+
+
+def _log_tail(path: str, lines: int = 5) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf8", errors="replace") as handle:
+            tail = handle.read().strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return " | ".join(tail)
+
+
+def _run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
+    # stop_cluster_sync spins its own event loop; never let it hold the notebook forever
+    worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
+    worker.start()
+    worker.join(seconds)
+
+
+def _kill_survivors(pids: list[int], wait: float = 3.0) -> None:
+    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
+    deadline = time.monotonic() + wait
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _pid_alive(pid)]
+        if alive:
+            time.sleep(0.05)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        if finished == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (or already reaped): fall back to a signal probe
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,203 @@
+"""A world's settings: one frozen dataclass, checked when it is made.
+
+Everything is validated before any process starts, so a bad request costs nothing and
+leaves nothing behind (as accelerate's launchers do).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from . import devices
+from .errors import DDPUsageError
+
+Backend = Literal["gloo", "nccl"]
+BACKEND_CHOICES = ("auto", "nccl", "gloo")
+
+DEFAULT_COLLECTIVE_TIMEOUT = 120.0
+DEFAULT_START_TIMEOUT = 90.0
+MAX_DEFAULT_CPU_RANKS = 4
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Settings of one world of ranks on this machine.
+
+    `gpus[i]` is the GPU pinned to rank i (a CUDA_VISIBLE_DEVICES entry); empty on CPU.
+    `timeout` bounds every collective (torch's default of 30 minutes would freeze a notebook).
+    """
+
+    n_ranks: int
+    backend: Backend
+    gpus: tuple[str, ...] = ()
+    timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
+    cell_timeout: float | None = None
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    master_addr: str = "127.0.0.1"
+    threads_per_rank: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_ranks, int) or isinstance(self.n_ranks, bool) or self.n_ranks < 1:
+            raise DDPUsageError(f"number of ranks must be a whole number >= 1, got {self.n_ranks!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise DDPUsageError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.backend == "nccl":
+            if not self.gpus:
+                raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo")
+            if len(self.gpus) != self.n_ranks:
+                raise DDPUsageError(
+                    f"{self.n_ranks} ranks need {self.n_ranks} GPUs with nccl, "
+                    f"{len(self.gpus)} given ({','.join(self.gpus)})"
+                )
+        if self.gpus and len(self.gpus) != self.n_ranks:
+            raise DDPUsageError(f"{len(self.gpus)} GPUs given for {self.n_ranks} ranks: give one GPU per rank")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise DDPUsageError(f"each rank needs its own GPU, got {','.join(self.gpus)}")
+        for name, value in (("timeout", self.timeout), ("start timeout", self.start_timeout)):
+            _check_seconds(name, value)
+        if self.cell_timeout is not None:
+            _check_seconds("cell timeout", self.cell_timeout)
+        if self.threads_per_rank < 1:
+            raise DDPUsageError(f"threads per rank must be >= 1, got {self.threads_per_rank}")
+
+    @property
+    def device_kind(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise DDPUsageError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+def resolve(
+    n_ranks: int | None = None,
+    *,
+    backend: str = "auto",
+    gpus: str | list[int | str] | tuple[int | str, ...] | None = None,
+    timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+    cell_timeout: float | None = None,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
+    env: dict[str, str] | None = None,
+) -> WorldConfig:
+    """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
+
+    - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores);
+    - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
+    - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
+      does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
+    chosen_gpus = _parse_gpus(gpus) if gpus is not None else None
+    available = devices.visible_gpus()
+    if chosen_gpus is None:
+        use_gpus = backend != "gloo" and bool(available)
+        if n_ranks is None:
+            n_ranks = len(available) if use_gpus else min(MAX_DEFAULT_CPU_RANKS, devices.usable_cpus())
+        _check_rank_count(n_ranks)
+        if use_gpus:
+            if n_ranks > len(available):
+                if backend == "nccl":
+                    raise DDPUsageError(
+                        f"{n_ranks} ranks asked for but only {len(available)} GPU(s) visible; "
+                        f"use at most {len(available)} ranks with nccl, or --backend gloo"
+                    )
+                raise DDPUsageError(
+                    f"{n_ranks} ranks asked for but only {len(available)} GPU(s) visible: one rank per GPU "
+                    f"(use %ddp_start {len(available)}), or --backend gloo to run CPU ranks"
+                )
+            chosen_gpus = available[:n_ranks]
+        else:
+            chosen_gpus = ()
+    else:
+        if n_ranks is None:
+            n_ranks = len(chosen_gpus)
+        _check_rank_count(n_ranks)
+        unknown = [g for g in chosen_gpus if available and g not in available]
+        if unknown:
+            raise DDPUsageError(f"GPU(s) {','.join(unknown)} not visible; visible: {','.join(available) or 'none'}")
+    resolved_backend: Backend = (
+        "nccl"
+        if (backend == "auto" and chosen_gpus)
+        else (
+            "gloo" if backend == "auto" else backend  # type: ignore[assignment]
+        )
+    )
+    if resolved_backend == "nccl" and not chosen_gpus:
+        raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo (or auto)")
+    return WorldConfig(
+        n_ranks=n_ranks,
+        backend=resolved_backend,
+        gpus=tuple(chosen_gpus),
+        timeout=timeout,
+        cell_timeout=cell_timeout,
+        start_timeout=start_timeout,
+        threads_per_rank=_threads_per_rank(n_ranks, bool(chosen_gpus)),
+        env=dict(env or {}),
+    )
+
+
+def _check_rank_count(n_ranks: object) -> None:
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        raise DDPUsageError(f"number of ranks must be a whole number >= 1, got {n_ranks!r}")
+
+
+def _parse_gpus(gpus: str | list[int | str] | tuple[int | str, ...]) -> tuple[str, ...]:
+    items = gpus.split(",") if isinstance(gpus, str) else [str(g) for g in gpus]
+    parsed = tuple(item.strip() for item in items if item.strip())
+    if not parsed:
+        raise DDPUsageError("--gpus needs a list of GPU indices such as 0,1")
+    return parsed
+
+
+def _threads_per_rank(n_ranks: int, on_gpu: bool) -> int:
+    user_setting = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if user_setting.isdigit() and int(user_setting) > 0:
+        return int(user_setting)
+    if on_gpu:
+        return 1
+    return max(1, devices.usable_cpus() // n_ranks)
+
+
+def parse_rank_count(text: str) -> int:
+    """Parse the N of `%ddp_start N`, with a message that says what to type instead."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise DDPUsageError(f"'{text}' is not a number of ranks; give a whole number >= 1, e.g. %ddp_start 2") from None
+    if value < 1:
+        raise DDPUsageError(f"number of ranks must be >= 1, got {value}; e.g. %ddp_start 2")
+    return value
+
+
+def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
+    """Parse a rank selection such as '0', '0,2', '1-3' or 'all' against a world's size."""
+    text = spec.strip()
+    if text in ("all", "*", ""):
+        return tuple(range(world_size))
+    chosen: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part[1:]:
+                low_text, high_text = part.split("-", 1)
+                low, high = int(low_text), int(high_text)
+                if low > high:
+                    raise DDPUsageError(f"rank range '{part}' runs backwards; write {high}-{low}")
+                chosen.extend(range(low, high + 1))
+            else:
+                chosen.append(int(part))
+        except ValueError:
+            raise DDPUsageError(f"cannot read ranks '{spec}': use numbers like 0, 0,2 or 1-3 (or 'all')") from None
+    outside = sorted({r for r in chosen if not 0 <= r < world_size})
+    if outside:
+        raise DDPUsageError(
+            f"rank(s) {', '.join(map(str, outside))} do not exist: this world has ranks 0-{world_size - 1}"
+        )
+    return tuple(sorted(set(chosen)))

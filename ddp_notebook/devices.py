@@ -1,0 +1,100 @@
+"""Which GPUs and CPU cores this machine offers, found without importing torch.
+
+The notebook kernel never imports torch: it only launches ranks, so it must not pay for
+torch's import or initialize CUDA (a CUDA context in the kernel would pin memory on GPU 0).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+_NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
+
+
+def visible_gpus() -> tuple[str, ...]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        entries = tuple(e.strip() for e in listed.split(",") if e.strip())
+        # CUDA stops at the first invalid entry; "-1" is the usual way to hide every GPU
+        valid = []
+        for entry in entries:
+            if entry.startswith("-"):
+                break
+            valid.append(entry)
+        return tuple(valid)
+    return tuple(str(i) for i in range(_count_gpus()))
+
+
+def _count_gpus() -> int:
+    if _NVIDIA_PROC_DIR.is_dir():
+        return sum(1 for _ in _NVIDIA_PROC_DIR.iterdir())
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listing = subprocess.run([smi, "--list-gpus"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (respects affinity masks and container cpusets)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def loopback_interface() -> str | None:
+    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
+    try:
+        names = [name for _, name in __import__("socket").if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+def resident_memory_mb(pid: int) -> float | None:
+    """Resident memory of a local process in MiB, from /proc (None where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def gpu_memory_by_pid() -> dict[int, float]:
+    """GPU memory in MiB used by each process, from nvidia-smi (empty where unavailable)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        listing = subprocess.run(
+            [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    usage: dict[int, float] = {}
+    for line in listing.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                usage[int(parts[0])] = usage.get(int(parts[0]), 0.0) + float(parts[1])
+            except ValueError:
+                continue
+    return usage

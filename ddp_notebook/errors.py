@@ -1,0 +1,99 @@
+"""The DDPError family.
+
+`UsageError`-style mistakes (bad arguments, no world running) derive from `DDPUsageError`
+so the magics can turn them into IPython `UsageError`s: one line, no traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DDPError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class DDPUsageError(DDPError, ValueError):
+    """The caller asked for something that cannot be done as asked (a user mistake)."""
+
+
+class NotRunningError(DDPUsageError):
+    """An operation needs a running world and there is none."""
+
+
+class StartError(DDPError):
+    """The world could not be started; nothing of it is left running."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank during a cell."""
+
+    rank: int
+    ename: str
+    evalue: str
+    traceback: tuple[str, ...] = ()
+    completed: float | None = None  # seconds since the epoch the rank reported the error
+
+    @property
+    def summary(self) -> str:
+        return f"{self.ename}: {self.evalue}" if self.evalue else self.ename
+
+
+class RankError(DDPError):
+    """One or more ranks raised while running a cell.
+
+    `failures[0]` is the root cause: the rank that failed first. IPython renders this
+    exception through `_render_traceback_`, so the notebook shows the remote traceback of
+    the root cause and one line for each other failing rank, not this module's frames.
+    """
+
+    def __init__(self, failures: list[RankFailure], *, busy_ranks: tuple[int, ...] = ()) -> None:
+        if not failures:
+            raise ValueError("RankError needs at least one failure")
+        self.failures = sorted(failures, key=_failure_order)
+        self.busy_ranks = busy_ranks
+        root = self.failures[0]
+        super().__init__(f"rank {root.rank} raised {root.summary}")
+
+    @property
+    def root_cause(self) -> RankFailure:
+        return self.failures[0]
+
+    def _render_traceback_(self) -> list[str]:
+        root = self.root_cause
+        lines = [f"rank {root.rank} failed first (root cause):"]
+        lines.extend(root.traceback or (root.summary,))
+        for other in self.failures[1:]:
+            lines.append(f"rank {other.rank} also failed: {other.summary}")
+        if self.busy_ranks:
+            ranks = ", ".join(str(r) for r in self.busy_ranks)
+            lines.append(f"ranks still running when the cell ended: {ranks}")
+        return lines
+
+
+def _failure_order(failure: RankFailure) -> tuple[float, int]:
+    # ranks with no timestamp sort after those that have one; ties go to the lower rank
+    completed = failure.completed if failure.completed is not None else float("inf")
+    return (completed, failure.rank)
+
+
+class CellTimeoutError(DDPError):
+    """A cell ran past its time limit; the ranks were interrupted."""
+
+    def __init__(self, timeout: float, busy_ranks: tuple[int, ...], detail: str = "") -> None:
+        self.timeout = timeout
+        self.busy_ranks = busy_ranks
+        ranks = ", ".join(str(r) for r in busy_ranks) or "none"
+        message = f"cell exceeded its {timeout:g} s limit; ranks still running: {ranks}"
+        super().__init__(message + (f"\n{detail}" if detail else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
+class CellInterruptedError(DDPError):
+    """The user interrupted a cell; the ranks were sent SIGINT."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]

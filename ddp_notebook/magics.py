@@ -1,0 +1,175 @@
+"""The `%ddp_*` magics and `%%ddp`: each parses its arguments and makes one API call."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import config
+from .cluster import CellResult, DDPCluster
+from .errors import DDPUsageError
+from .report import format_start_summary, format_status, format_values
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _usage_errors(method: F) -> F:
+    """Turn user mistakes into IPython UsageErrors: one line, no traceback."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except DDPUsageError as mistake:
+            raise UsageError(str(mistake)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@magics_class
+class DDPMagics(Magics):
+    """Holds the notebook's one world; every magic talks to it through DDPCluster."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.world: DDPCluster | None = None
+
+    # ---------------------------------------------------------------- %ddp_start
+
+    @magic_arguments()
+    @argument("n", nargs="?", default=None, help="number of ranks (default: one per visible GPU; CPU: up to 4)")
+    @argument("--backend", default="auto", help="auto (nccl with GPUs, gloo without), nccl or gloo")
+    @argument("--gpus", default=None, help="GPUs to use, one per rank, e.g. 0,1")
+    @argument(
+        "--timeout",
+        type=float,
+        default=config.DEFAULT_COLLECTIVE_TIMEOUT,
+        help="seconds a collective may wait before it fails (default: %(default)s)",
+    )
+    @argument("--cell-timeout", type=float, default=None, help="default time limit of each %%%%ddp cell, seconds")
+    @argument(
+        "--start-timeout",
+        type=float,
+        default=config.DEFAULT_START_TIMEOUT,
+        help="seconds to wait for the ranks to come up (default: %(default)s)",
+    )
+    @argument("--restart", action="store_true", help="stop a running world first and start this one")
+    @line_magic
+    @_usage_errors
+    def ddp_start(self, line: str) -> None:
+        """Start a world of DDP ranks: `%ddp_start 2` (CPU: gloo ranks; GPUs: one rank per GPU)."""
+        args = parse_argstring(self.ddp_start, line)
+        n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
+        if args.backend not in config.BACKEND_CHOICES:
+            raise DDPUsageError(f"--backend must be one of {', '.join(config.BACKEND_CHOICES)}, got '{args.backend}'")
+        world = DDPCluster(
+            n_ranks,
+            backend=args.backend,
+            gpus=args.gpus,
+            timeout=args.timeout,
+            cell_timeout=args.cell_timeout,
+            start_timeout=args.start_timeout,
+        )
+        current = self.world
+        if current is not None and current.running:
+            if not args.restart:
+                if current.config == world.config:
+                    print(
+                        f"a world of {current.world_size} ranks is already running; nothing to do "
+                        "(%ddp_start --restart starts it afresh)"
+                    )
+                    return
+                raise DDPUsageError(
+                    f"a world of {current.world_size} ranks ({current.config.backend}) is running: "
+                    f"%ddp_stop it first, or add --restart"
+                )
+            current.stop()
+        self.world = world.start()
+        print(format_start_summary(world))
+
+    # ---------------------------------------------------------------- %%ddp
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to run on: 0, 0,2, 1-3 or all (default: all)")
+    @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
+    @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
+    @cell_magic
+    @_usage_errors
+    def ddp(self, line: str, cell: str) -> None:
+        """Run this cell on every rank (or on --ranks); rank state persists across cells."""
+        args = parse_argstring(self.ddp, line)
+        world = self._running_world()
+        result = world.execute(cell, args.ranks, timeout=args.timeout, stream=not args.no_stream)
+        if args.no_stream:
+            _print_collected(result)
+        text = format_values(result)
+        if text:
+            print(text)
+
+    # ---------------------------------------------------------------- %ddp_stop, %ddp_status
+
+    @line_magic
+    @_usage_errors
+    def ddp_stop(self, line: str = "") -> None:
+        """Stop every rank and the controller (harmless when nothing runs)."""
+        if line.strip():
+            raise DDPUsageError(f"%ddp_stop takes no arguments, got '{line.strip()}'")
+        world, self.world = self.world, None
+        if world is None or not world.stop():
+            print("no DDP world is running; nothing to stop")
+            return
+        print(f"stopped the world of {world.world_size} ranks")
+
+    @line_magic
+    @_usage_errors
+    def ddp_status(self, line: str = "") -> None:
+        """Show each rank's state (idle/busy), host, pid, device and memory."""
+        if line.strip():
+            raise DDPUsageError(f"%ddp_status takes no arguments, got '{line.strip()}'")
+        world = self._running_world()
+        print(format_status(world, world.status()))
+
+    def _running_world(self) -> DDPCluster:
+        if self.world is None or not self.world.running:
+            raise DDPUsageError("no DDP world is running: start one with %ddp_start N (e.g. %ddp_start 2)")
+        return self.world
+
+
+def _print_collected(result: CellResult) -> None:
+    for rank in result.ranks:
+        for store, name in ((result.stdout, "stdout"), (result.stderr, "stderr")):
+            text = store.get(rank)
+            if text:
+                prefix = f"[rank {rank}] "
+                body = "".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n"))
+                if name == "stderr":
+                    import sys
+
+                    sys.stderr.write(body)
+                else:
+                    print(body, end="")
+
+
+def load(ipython: Any) -> None:
+    """Register the magics once per shell."""
+    if ipython.magics_manager.registry.get("DDPMagics") is None:
+        ipython.register_magics(DDPMagics(ipython))
+
+
+def unload(ipython: Any) -> None:
+    """Stop the running world and remove the magics from the shell."""
+    magics = ipython.magics_manager.registry.pop("DDPMagics", None)
+    if magics is None:
+        return
+    if magics.world is not None:
+        magics.world.stop()
+        magics.world = None
+    for kind, names in magics.magics.items():
+        table = ipython.magics_manager.magics[kind]
+        for name in names:
+            table.pop(name, None)

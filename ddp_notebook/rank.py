@@ -1,0 +1,316 @@
+"""Everything that runs ON the ranks: the environment contract, process-group set-up and
+teardown, and the helpers used inside `%%ddp` cells.
+
+Imports torch and the standard library only (no IPython at import time, no widgets): this
+module is loaded by every rank process, usually while the rank registers with the controller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+SLOT_ENV = "DDP_NOTEBOOK_SLOT"
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is in the world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    master_addr: str
+    master_port: int
+
+
+# Process state of this rank (not configuration): set by init_world, cleared by shutdown_world.
+_state: dict[str, Any] = {"context": None, "listener": None}
+
+
+def describe() -> dict[str, Any]:
+    """Identity of this rank process, used by the notebook to build its rank map."""
+    slot = os.environ.get(SLOT_ENV)
+    return {
+        "slot": int(slot) if slot is not None and slot.isdigit() else None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def open_rendezvous(host: str) -> int:
+    """Bind the rendezvous socket on rank 0 and return its port.
+
+    torch's TCPStore, left to itself, listens on every interface; binding the socket here
+    (to loopback for a one-machine world) and handing it over keeps it where we chose, and
+    port 0 lets the OS pick a free port with no race.
+    """
+    close_rendezvous()
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(128)
+    _state["listener"] = listener
+    return int(listener.getsockname()[1])
+
+
+def close_rendezvous() -> None:
+    listener = _state.get("listener")
+    if listener is not None:
+        listener.close()
+        _state["listener"] = None
+
+
+def init_world(spec: dict[str, Any]) -> dict[str, Any]:
+    """Set the torchrun environment, pick the device and join the default process group.
+
+    `spec` holds rank, world_size, local_rank, local_world_size, master_addr, master_port,
+    backend, timeout (seconds), threads and optionally socket_ifname. Publishes rank,
+    world_size, local_rank, device, torch and dist into the user namespace.
+    """
+    rank = int(spec["rank"])
+    world_size = int(spec["world_size"])
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(spec["local_rank"]),
+        "LOCAL_WORLD_SIZE": str(spec["local_world_size"]),
+        "GROUP_RANK": str(spec.get("group_rank", 0)),
+        "MASTER_ADDR": str(spec["master_addr"]),
+        "MASTER_PORT": str(spec["master_port"]),
+        "OMP_NUM_THREADS": str(spec["threads"]),
+    }
+    if spec.get("socket_ifname"):
+        env.setdefault("GLOO_SOCKET_IFNAME", spec["socket_ifname"])
+        env.setdefault("NCCL_SOCKET_IFNAME", spec["socket_ifname"])
+    os.environ.update(env)
+    torch.set_num_threads(int(spec["threads"]))
+
+    device = _choose_device(spec["backend"])
+    timeout = datetime.timedelta(seconds=float(spec["timeout"]))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = _make_store(rank, world_size, spec["master_addr"], int(spec["master_port"]), timeout)
+    init_kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        init_kwargs["device_id"] = device
+    dist.init_process_group(
+        spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
+    )
+    context = RankContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=int(spec["local_rank"]),
+        local_world_size=int(spec["local_world_size"]),
+        device=device,
+        backend=spec["backend"],
+        master_addr=str(spec["master_addr"]),
+        master_port=int(spec["master_port"]),
+    )
+    _state["context"] = context
+    _publish_names(context)
+    return {"device": str(device), "device_name": _device_name(device), "backend": spec["backend"]}
+
+
+def _choose_device(backend: str) -> torch.device:
+    # CUDA_VISIBLE_DEVICES was set to this rank's one GPU before torch was imported here,
+    # so the rank's GPU is always cuda:0 inside the rank
+    if backend == "nccl" or os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1"):
+        if not torch.cuda.is_available():
+            if backend == "nccl":
+                raise RuntimeError(
+                    "this rank was given a GPU but torch here has no CUDA support "
+                    f"(torch {torch.__version__}); install a CUDA build of torch or use --backend gloo"
+                )
+            return torch.device("cpu")
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def _make_store(rank: int, world_size: int, host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    if rank == 0:
+        listener = _state.get("listener")
+        if listener is None:
+            raise RuntimeError("rendezvous socket missing on rank 0; restart the world")
+        _state["listener"] = None
+        # the store takes ownership of the listening socket's file descriptor
+        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach(), use_libuv=False)
+    return dist.TCPStore(host, port, world_size, False, timeout, use_libuv=False)
+
+
+def _publish_names(context: RankContext) -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # a rank outside an IPython engine (e.g. a plain script under torchrun)
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    import ddp_notebook
+
+    shell.user_ns.update(
+        rank=context.rank,
+        world_size=context.world_size,
+        local_rank=context.local_rank,
+        device=context.device,
+        torch=torch,
+        dist=dist,
+        ddp_notebook=ddp_notebook,
+    )
+
+
+def shutdown_world() -> None:
+    """Leave the process group cleanly (exiting without it can abort the process)."""
+    close_rendezvous()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _state["context"] = None
+
+
+def context() -> RankContext:
+    """This rank's context; outside a ddp_notebook world, read from the torchrun environment."""
+    current = _state["context"]
+    if current is not None:
+        return current
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group: run this inside a %%ddp cell after %ddp_start, or under torchrun "
+            "after torch.distributed.init_process_group()"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = (
+        torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    return RankContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))),
+        device=device,
+        backend=str(dist.get_backend()),
+        master_addr=os.environ.get("MASTER_ADDR", ""),
+        master_port=int(os.environ.get("MASTER_PORT", "0") or 0),
+    )
+
+
+# ---------------------------------------------------------------- helpers for %%ddp cells
+
+
+def is_main() -> bool:
+    """True on rank 0: the rank that prints summaries and writes files."""
+    return context().rank == 0
+
+
+def barrier() -> None:
+    """Wait until every rank of the world reaches this point (bounded by the world's timeout)."""
+    current = context()
+    if current.backend == "nccl" and current.device.type == "cuda":
+        dist.barrier(device_ids=[current.device.index or 0])
+    else:
+        dist.barrier()
+
+
+def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """Move `model` to this rank's device and wrap it in DistributedDataParallel.
+
+    Wrapping broadcasts rank 0's parameters, so every rank starts from the same weights.
+    Keyword arguments go to `DistributedDataParallel` (e.g. `find_unused_parameters=True`).
+    """
+    current = context()
+    model = model.to(current.device)
+    if current.device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [current.device.index or 0])
+    return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+
+class EpochDataLoader(DataLoader):
+    """A DataLoader over a DistributedSampler that advances the sampler's epoch itself.
+
+    Forgetting `sampler.set_epoch(epoch)` gives every epoch the same order; here each new
+    iteration over the loader starts the next epoch's shuffle.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        if isinstance(sampler, DistributedSampler):
+            sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
+def prepare_loader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    shuffle: bool = True,
+    *,
+    seed: int = 0,
+    **loader_kwargs: Any,
+) -> EpochDataLoader:
+    """A DataLoader over this rank's DistributedSampler shard of `dataset`.
+
+    Shards are disjoint and together cover the dataset (padded to equal length unless
+    `drop_last=True`). `batch_size` is per rank: the global batch is batch_size * world_size.
+    """
+    current = context()
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=current.world_size,
+        rank=current.rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=bool(loader_kwargs.get("drop_last", False)),
+    )
+    if current.device.type == "cuda":
+        loader_kwargs.setdefault("pin_memory", True)
+    return EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> str | None:
+    """Save `obj` with torch.save on rank 0 only; returns the path there, None elsewhere.
+
+    A model (DDP-wrapped or not) is saved as its plain state_dict, loadable without DDP.
+    The file is written to a temporary name and renamed, so a reader never sees half a file.
+    Other ranks do not wait: call `ddp_notebook.barrier()` after it if they read the file.
+    """
+    if context().rank != 0:
+        return None
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        obj = obj.module
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.state_dict()
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    os.makedirs(directory, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+    os.close(handle)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

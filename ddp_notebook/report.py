@@ -1,0 +1,63 @@
+"""Plain-text views of a world: the start summary, the status table, per-rank values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cluster import CellResult, DDPCluster, RankStatus
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A left-aligned text table with one space-padded column per header."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def format_start_summary(world: DDPCluster) -> str:
+    rows = [
+        (
+            r.rank,
+            r.host,
+            r.pid,
+            r.device if r.device_name in ("cpu", r.device) else f"{r.device} ({r.device_name})",
+            world.config.backend,
+        )
+        for r in world.ranks
+    ]
+    seconds = world.start_seconds or 0.0
+    heading = (
+        f"DDP world ready: {world.world_size} rank{'s' if world.world_size != 1 else ''}, "
+        f"{world.config.backend}, {world.config.threads_per_rank} thread(s) per rank, "
+        f"started in {seconds:.1f} s"
+    )
+    return heading + "\n" + table(("rank", "host", "pid", "device", "backend"), rows)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} MiB"
+
+
+def format_status(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
+    body = table(
+        ("rank", "state", "host", "pid", "device", "memory", "gpu memory"),
+        [(s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _mb(s.gpu_memory_mb)) for s in rows],
+    )
+    healthy = all(s.state != "gone" for s in rows)
+    return f"world of {world.world_size} ranks ({world.config.backend}): {'healthy' if healthy else 'broken'}\n{body}"
+
+
+def format_values(result: CellResult) -> str:
+    """Each rank's last-expression value, like a kernel's Out[], tagged by rank."""
+    parts = []
+    for rank in result.ranks:
+        text = result.value_text(rank)
+        if text is None:
+            continue
+        prefix = f"[rank {rank}] Out: "
+        lines = text.split("\n")
+        indent = " " * len(prefix)
+        parts.append(prefix + lines[0] + "".join("\n" + indent + line for line in lines[1:]))
+    return "\n".join(parts)
