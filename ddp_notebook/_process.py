@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"
-PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"
+from ddp_notebook._environment import OWNER_PID_ENV, PRELOAD_ENV
+
 OWNER_POLL_SECONDS = 1.0
 
 

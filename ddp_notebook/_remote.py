@@ -18,6 +18,17 @@ def call_rank(function_name: str, *args: Any) -> Any:
     return getattr(module, function_name)(*args)
 
 
+def describe() -> dict[str, Any]:
+    """Identity of this rank process (no torch needed), used to build the rank map."""
+    import os
+    import socket
+
+    from ddp_notebook._environment import SLOT_ENV
+
+    slot = os.environ.get(SLOT_ENV, "")
+    return {"slot": int(slot) if slot.isdigit() else None, "host": socket.gethostname(), "pid": os.getpid()}
+
+
 def pull_names(names: list[str]) -> dict[str, Any]:
     """Values of `names` in the rank's user namespace; a missing name is reported, not raised."""
     from IPython import get_ipython

@@ -8,7 +8,7 @@ import traceback
 from .errors import DDPError
 
 
-class CellSyntaxError(DDPError, SyntaxError):
+class CellSyntaxError(DDPError):
     """The cell does not parse; nothing was sent to the ranks."""
 
     def __init__(self, original: SyntaxError) -> None:

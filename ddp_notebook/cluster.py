@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _process, _remote, config, devices
+from . import _remote, config, devices
+from ._environment import OWNER_PID_ENV, SLOT_ENV
 from .cells import check_syntax
 from .errors import (
     CellInterruptedError,
@@ -200,9 +201,11 @@ class DDPCluster:
                 f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
             ],
-            log_level=logging.WARNING,
+            # ipyparallel logs every engine's log file when it exits non-zero; our own
+            # messages say what matters, in one line
+            log_level=logging.ERROR,
         )
-        owner = {_process.OWNER_PID_ENV: str(os.getpid())}
+        owner = {OWNER_PID_ENV: str(os.getpid())}
         self._cluster.start_controller_sync(
             controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
             environment=dict(owner),
@@ -212,7 +215,7 @@ class DDPCluster:
             environment = {
                 **cfg.env,
                 **owner,
-                "DDP_NOTEBOOK_SLOT": str(slot),
+                SLOT_ENV: str(slot),
                 "OMP_NUM_THREADS": str(cfg.threads_per_rank),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -228,7 +231,12 @@ class DDPCluster:
                 engine_set_id=_engine_set_id(slot),
                 environment=environment,
                 engine_cmd=[sys.executable, "-m", "ddp_notebook._process", "engine"],
-                engine_args=[f"--IPEngine.wait_for_url_file={cfg.start_timeout:g}"],
+                engine_args=[
+                    f"--IPEngine.wait_for_url_file={cfg.start_timeout:g}",
+                    # the nanny is one more Python process per rank, only needed to signal
+                    # engines through the controller; we signal the PIDs we started
+                    "--IPEngine.enable_nanny=False",
+                ],
                 delay=0,
             )
             self._slot_of_rank[slot] = slot
@@ -249,7 +257,7 @@ class DDPCluster:
                 )
             time.sleep(0.02)
         view = client[:]
-        described = view.apply_async(_remote.call_rank, "describe")
+        described = view.apply_async(_remote.describe)
         identities = described.get(timeout=max(1.0, deadline - time.perf_counter()))
         engine_of_slot: dict[int, int] = {}
         hosts_pids: dict[int, tuple[str, int]] = {}
@@ -263,11 +271,14 @@ class DDPCluster:
     def _init_process_group(self, engine_of_slot: dict[int, int], deadline: float) -> None:
         cfg = self.config
         client = self._client
-        port = (
-            client[engine_of_slot[0]]
-            .apply_async(_remote.call_rank, "open_rendezvous", cfg.master_addr)
-            .get(timeout=max(1.0, deadline - time.perf_counter()))
-        )
+        try:
+            port = (
+                client[engine_of_slot[0]]
+                .apply_async(_remote.call_rank, "open_rendezvous", cfg.master_addr)
+                .get(timeout=max(1.0, deadline - time.perf_counter()))
+            )
+        except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
+            raise StartError(f"rank 0 could not set up torch.distributed: {_one_line(failure)}") from None
         pending = {}
         for slot, engine_id in engine_of_slot.items():
             spec = {
@@ -287,7 +298,7 @@ class DDPCluster:
             try:
                 info = result.get(timeout=max(1.0, deadline - time.perf_counter()))
             except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
-                raise StartError(f"rank {slot} could not join the process group: {_one_line(failure)}") from None
+                raise StartError(f"rank {slot} could not set up torch.distributed: {_one_line(failure)}") from None
             host, pid = self._identities[slot]
             self._ranks[slot] = RankInfo(
                 rank=slot,
@@ -340,6 +351,12 @@ class DDPCluster:
         self._ranks = {}
         pids = self._started_pids(cluster)
         if client is not None:
+            try:
+                # ask the ranks to exit cleanly first; stragglers get SIGTERM, then SIGKILL
+                client.shutdown(targets="all", block=False)
+                _wait_gone([info_pid for info_pid in pids if info_pid != _controller_pid(cluster)], 3.0)
+            except Exception:
+                log.debug("asking the ranks to shut down failed", exc_info=True)
             try:
                 client.close()
             except Exception:
@@ -749,6 +766,9 @@ def _rank_list(ranks: Iterable[int]) -> str:
 
 
 def _one_line(failure: BaseException) -> str:
+    ename, evalue = getattr(failure, "ename", None), getattr(failure, "evalue", None)
+    if ename:  # a rank's exception relayed by ipyparallel: show it as the rank raised it
+        return f"{ename}: {evalue}" if evalue else str(ename)
     text = str(failure).strip().splitlines()
     return text[-1] if text else type(failure).__name__
 
@@ -771,15 +791,25 @@ def _run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
     worker.join(seconds)
 
 
-def _kill_survivors(pids: list[int], wait: float = 3.0) -> None:
-    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
+def _controller_pid(cluster: Any) -> int | None:
+    controller = getattr(cluster, "controller", None)
+    return getattr(controller, "pid", None) if controller is not None else None
+
+
+def _wait_gone(pids: list[int], wait: float) -> list[int]:
+    """Wait up to `wait` seconds for `pids` to exit; return those still alive."""
     deadline = time.monotonic() + wait
     alive = list(pids)
     while alive and time.monotonic() < deadline:
         alive = [pid for pid in alive if _pid_alive(pid)]
         if alive:
-            time.sleep(0.05)
-    for pid in alive:
+            time.sleep(0.02)
+    return alive
+
+
+def _kill_survivors(pids: list[int], wait: float = 3.0) -> None:
+    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
+    for pid in _wait_gone(pids, wait):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -184,17 +184,17 @@ def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
         part = part.strip()
         if not part:
             continue
+        low_text, dash, high_text = part[1:].partition("-") if part.startswith("-") else part.partition("-")
+        if part.startswith("-"):
+            low_text = "-" + low_text
         try:
-            if "-" in part[1:]:
-                low_text, high_text = part.split("-", 1)
-                low, high = int(low_text), int(high_text)
-                if low > high:
-                    raise DDPUsageError(f"rank range '{part}' runs backwards; write {high}-{low}")
-                chosen.extend(range(low, high + 1))
-            else:
-                chosen.append(int(part))
+            low = int(low_text)
+            high = int(high_text) if dash else low
         except ValueError:
             raise DDPUsageError(f"cannot read ranks '{spec}': use numbers like 0, 0,2 or 1-3 (or 'all')") from None
+        if low > high:
+            raise DDPUsageError(f"rank range '{part}' runs backwards; write {high}-{low}")
+        chosen.extend(range(low, high + 1))
     outside = sorted({r for r in chosen if not 0 <= r < world_size})
     if outside:
         raise DDPUsageError(

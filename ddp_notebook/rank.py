@@ -19,8 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-SLOT_ENV = "DDP_NOTEBOOK_SLOT"
-
 
 @dataclass(frozen=True)
 class RankContext:
@@ -38,16 +36,6 @@ class RankContext:
 
 # Process state of this rank (not configuration): set by init_world, cleared by shutdown_world.
 _state: dict[str, Any] = {"context": None, "listener": None}
-
-
-def describe() -> dict[str, Any]:
-    """Identity of this rank process, used by the notebook to build its rank map."""
-    slot = os.environ.get(SLOT_ENV)
-    return {
-        "slot": int(slot) if slot is not None and slot.isdigit() else None,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
 
 
 def open_rendezvous(host: str) -> int:

@@ -1,0 +1,122 @@
+"""Unit tests: settings are checked before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_notebook import config, devices
+from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks, resolve
+from ddp_notebook.errors import DDPUsageError
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ())
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ("0", "1", "2", "3"))
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "2.5", ""])
+def test_bad_rank_counts_say_what_to_type(text: str) -> None:
+    with pytest.raises(DDPUsageError, match=r"%ddp_start 2"):
+        parse_rank_count(text)
+
+
+def test_rank_count_parses() -> None:
+    assert parse_rank_count("4") == 4
+
+
+def test_cpu_defaults(cpu_only: None) -> None:
+    cfg = resolve()
+    assert (cfg.n_ranks, cfg.backend, cfg.gpus) == (4, "gloo", ())
+    assert cfg.threads_per_rank == 2  # 8 cores shared by 4 ranks: no oversubscription
+
+
+def test_cpu_threads_follow_user_setting(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert resolve(2).threads_per_rank == 3
+
+
+def test_gpu_defaults_one_rank_per_gpu(four_gpus: None) -> None:
+    cfg = resolve()
+    assert (cfg.n_ranks, cfg.backend, cfg.gpus, cfg.threads_per_rank) == (4, "nccl", ("0", "1", "2", "3"), 1)
+    assert resolve(2).gpus == ("0", "1")
+
+
+def test_more_ranks_than_gpus_is_refused(four_gpus: None) -> None:
+    with pytest.raises(DDPUsageError, match="only 4 GPU"):
+        resolve(6)
+    with pytest.raises(DDPUsageError, match="only 4 GPU"):
+        resolve(6, backend="nccl")
+
+
+def test_gloo_on_a_gpu_machine_runs_cpu_ranks(four_gpus: None) -> None:
+    cfg = resolve(6, backend="gloo")
+    assert (cfg.backend, cfg.gpus) == ("gloo", ())
+
+
+def test_explicit_gpus(four_gpus: None) -> None:
+    cfg = resolve(gpus="2,3")
+    assert (cfg.n_ranks, cfg.gpus, cfg.backend) == (2, ("2", "3"), "nccl")
+    with pytest.raises(DDPUsageError, match="not visible"):
+        resolve(gpus="7")
+    with pytest.raises(DDPUsageError, match="3 ranks need 3 GPUs"):
+        resolve(3, gpus="0,1")
+    with pytest.raises(DDPUsageError, match="its own GPU"):
+        resolve(gpus="1,1")
+
+
+def test_nccl_without_gpus(cpu_only: None) -> None:
+    with pytest.raises(DDPUsageError, match="needs GPUs"):
+        resolve(2, backend="nccl")
+
+
+def test_unknown_backend(cpu_only: None) -> None:
+    with pytest.raises(DDPUsageError, match="backend must be one of"):
+        resolve(2, backend="mpi")
+
+
+@pytest.mark.parametrize("timeout", [0, -5, float("nan"), "10"])
+def test_bad_timeouts(cpu_only: None, timeout: object) -> None:
+    with pytest.raises(DDPUsageError, match="seconds"):
+        resolve(2, timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen(cpu_only: None) -> None:
+    cfg = resolve(2)
+    with pytest.raises(AttributeError):
+        cfg.n_ranks = 3  # type: ignore[misc]
+    assert isinstance(cfg, WorldConfig)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("0", (0,)), ("0,2", (0, 2)), ("1-3", (1, 2, 3)), ("all", (0, 1, 2, 3)), (" 3, 1 ", (1, 3)), ("0-1,1", (0, 1))],
+)
+def test_parse_ranks(spec: str, expected: tuple[int, ...]) -> None:
+    assert parse_ranks(spec, 4) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("7", "this world has ranks 0-3"), ("-1", "do not exist"), ("a", "cannot read ranks"), ("3-1", "backwards")],
+)
+def test_parse_ranks_errors(spec: str, message: str) -> None:
+    with pytest.raises(DDPUsageError, match=message):
+        parse_ranks(spec, 4)
+
+
+def test_visible_gpus_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert devices.visible_gpus() == ("3", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,-1,2")  # CUDA ignores everything after an invalid entry
+    assert devices.visible_gpus() == ("0",)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices.visible_gpus() == ()

@@ -1,0 +1,78 @@
+"""Starting and stopping worlds: failures are clean, and no process outlives its owner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddp_notebook import DDPCluster, StartError
+from tests.conftest import pid_alive, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+def test_context_manager_starts_and_stops(no_leaks: None) -> None:
+    with DDPCluster(1, backend="gloo") as world:
+        assert world.running and world.start_seconds is not None
+        assert world.execute("rank + world_size").value_text(0) == "1"
+        pids = world.pids
+        assert len(pids) == 2  # controller + one rank
+    assert not world.running
+    assert wait_gone(pids) == []
+    assert world.stop() is False  # stopping again is harmless
+
+
+def test_start_timeout_leaves_nothing_behind(no_leaks: None) -> None:
+    world = DDPCluster(2, backend="gloo", start_timeout=0.2)
+    with pytest.raises(StartError, match=r"ranks registered within 0.2 s"):
+        world.start()
+    assert not world.running
+
+
+def test_a_rank_that_cannot_import_torch_fails_the_start_clearly(tmp_path: Path, no_leaks: None) -> None:
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    world = DDPCluster(2, backend="gloo", env={"PYTHONPATH": str(tmp_path)})
+    with pytest.raises(
+        StartError, match="could not set up torch.distributed: ImportError: this torch is broken on purpose"
+    ):
+        world.start()
+    assert not world.running
+
+
+OWNER_SCRIPT = """
+import json, sys, time
+from ddp_notebook import DDPCluster
+world = DDPCluster(2, backend="gloo").start()
+print(json.dumps(world.pids), flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent(OWNER_SCRIPT))
+    owner = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=os.environ.copy()
+    )
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        pids = json.loads(line)
+        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+    finally:
+        owner.send_signal(signal.SIGKILL)  # no atexit, no clean-up: only the rank-side watch can help
+        owner.wait(10)
+    leftover = wait_gone(pids, seconds=30)
+    if leftover:  # never leave them to the next test, but fail loudly
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+    assert leftover == []

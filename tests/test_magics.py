@@ -1,0 +1,132 @@
+"""The magics, driven through a real IPython InteractiveShell."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from IPython.core.error import UsageError
+from IPython import get_ipython
+from IPython.testing.globalipapp import start_ipython
+
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def shell() -> Iterator[object]:
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("load_ext", "ddp_notebook")
+    yield ip
+    ip.run_line_magic("unload_ext", "ddp_notebook")
+
+
+def run(shell: object, source: str) -> object:
+    return shell.run_cell(source, store_history=False)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%ddp_start 0", "number of ranks must be >= 1"),
+        ("%ddp_start -1", "number of ranks must be >= 1"),
+        ("%ddp_start two", "'two' is not a number of ranks"),
+        ("%ddp_start 2.5", "'2.5' is not a number of ranks"),
+        ("%ddp_start 2 --backend nccl", "needs GPUs"),
+        ("%ddp_start 2 --backend mpi", "--backend must be one of"),
+        ("%ddp_start 2 --timeout 0", "timeout must be a number of seconds"),
+        ("%ddp_start 2 --frobnicate", "unrecognized arguments"),
+        ("%ddp_status", "no DDP world is running"),
+        ("%ddp_stop now", "takes no arguments"),
+    ],
+)
+def test_misuse_is_one_clear_line_and_starts_nothing(
+    shell: object, capsys: pytest.CaptureFixture[str], line: str, message: str
+) -> None:
+    began = time.monotonic()
+    result = run(shell, line)
+    assert time.monotonic() - began < 1.0
+    assert isinstance(result.error_in_exec, UsageError)  # type: ignore[attr-defined]
+    assert message in str(result.error_in_exec)  # type: ignore[attr-defined]
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert shell.magics_manager.registry["DDPMagics"].world is None  # type: ignore[attr-defined]
+
+
+def test_ddp_cell_before_start(shell: object) -> None:
+    result = run(shell, "%%ddp\nprint(rank)")
+    assert isinstance(result.error_in_exec, UsageError)  # type: ignore[attr-defined]
+    assert "%ddp_start" in str(result.error_in_exec)  # type: ignore[attr-defined]
+
+
+def test_stop_with_nothing_running_is_harmless(shell: object, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(shell, "%ddp_stop").success  # type: ignore[attr-defined]
+    assert "nothing to stop" in capsys.readouterr().out
+
+
+def test_loading_twice_is_harmless(shell: object) -> None:
+    magics = shell.magics_manager.registry["DDPMagics"]  # type: ignore[attr-defined]
+    run(shell, "%load_ext ddp_notebook")
+    run(shell, "%reload_ext ddp_notebook")
+    assert shell.magics_manager.registry["DDPMagics"] is not None  # type: ignore[attr-defined]
+    assert "ddp" in shell.magics_manager.magics["cell"]  # type: ignore[attr-defined]
+    del magics
+
+
+def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixture[str]) -> None:
+    result = run(shell, "%ddp_start 2")
+    assert result.success, result.error_in_exec  # type: ignore[attr-defined]
+    out = capsys.readouterr().out
+    assert "DDP world ready: 2 ranks, gloo" in out
+    assert out.splitlines()[1].split() == ["rank", "host", "pid", "device", "backend"]
+    world = shell.magics_manager.registry["DDPMagics"].world  # type: ignore[attr-defined]
+    pids = world.pids
+    try:
+        # same size again: nothing to do; another size: told to stop first
+        assert run(shell, "%ddp_start 2").success  # type: ignore[attr-defined]
+        assert "already running" in capsys.readouterr().out
+        other = run(shell, "%ddp_start 1")
+        assert isinstance(other.error_in_exec, UsageError) and "--restart" in str(other.error_in_exec)  # type: ignore[attr-defined]
+
+        assert run(shell, "%%ddp\nx = rank + 100\nprint('x is', x)\nx").success  # type: ignore[attr-defined]
+        out = capsys.readouterr().out
+        assert "[rank 0] x is 100" in out and "[rank 1] x is 101" in out
+        assert "[rank 0] Out: 100" in out and "[rank 1] Out: 101" in out
+
+        assert run(shell, "%%ddp --ranks 1 --no-stream\nprint('later', x)").success  # type: ignore[attr-defined]
+        assert capsys.readouterr().out.strip() == "[rank 1] later 101"
+
+        failing = run(shell, "%%ddp\nif rank == 0:\n    1 / 0")
+        assert isinstance(failing.error_in_exec, Exception)  # type: ignore[attr-defined]
+        err = capsys.readouterr()
+        text = err.out + err.err
+        assert "rank 0 failed first (root cause)" in text and "ZeroDivisionError" in text
+        assert "ddp_notebook/cluster.py" not in text  # the remote traceback, not ours
+
+        bad_syntax = run(shell, "%%ddp\nfor i in range(2)\n    pass")
+        assert bad_syntax.error_in_exec is not None  # type: ignore[attr-defined]
+        assert "nothing was sent to the ranks" in "".join(capsys.readouterr())
+
+        assert isinstance(run(shell, "%%ddp --ranks 5\nx").error_in_exec, UsageError)  # type: ignore[attr-defined]
+        assert isinstance(run(shell, "%%ddp --timeout -1\nx").error_in_exec, UsageError)  # type: ignore[attr-defined]
+
+        assert run(shell, "%ddp_status").success  # type: ignore[attr-defined]
+        status = capsys.readouterr().out
+        assert "healthy" in status and status.count(" idle ") == 2
+    finally:
+        assert run(shell, "%ddp_stop").success  # type: ignore[attr-defined]
+    assert "stopped the world of 2 ranks" in capsys.readouterr().out
+    assert wait_gone(pids) == []
+
+
+def test_unload_stops_the_world(shell: object) -> None:
+    ip = shell  # type: ignore[assignment]
+    assert ip.run_cell("%ddp_start 1").success
+    pids = ip.magics_manager.registry["DDPMagics"].world.pids
+    ip.run_line_magic("unload_ext", "ddp_notebook")
+    assert "DDPMagics" not in ip.magics_manager.registry
+    assert "ddp" not in ip.magics_manager.magics["cell"]
+    assert wait_gone(pids) == []
+    ip.run_line_magic("load_ext", "ddp_notebook")  # leave the shared shell as the module fixture expects
