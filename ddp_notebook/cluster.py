@@ -398,6 +398,7 @@ class DDPCluster:
         *,
         timeout: float | None = None,
         stream: bool = True,
+        on_data: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> CellResult:
         """Run `code` as a cell on `ranks` (default: all) and wait for it.
 
@@ -406,6 +407,9 @@ class DDPCluster:
         instead. Raises `RankError` if any rank raised (root cause first),
         `CellTimeoutError` past `timeout` seconds and `CellInterruptedError` on Ctrl-C /
         the notebook's stop button; in all three cases the ranks are left usable.
+
+        `on_data(rank, data)` is called in this thread for each batch of plain data a rank
+        publishes while the cell runs (metrics and progress, see `ddp_notebook.channel`).
         """
         client = self._require_running()
         targets = self._select(ranks)
@@ -419,7 +423,7 @@ class DDPCluster:
         result = CellResult(ranks=targets)
         async_result = client[engine_ids].execute(code, silent=False, block=False)
         relay.attach(async_result)
-        sink = _OutputSink(self._stdout, self._stderr, result if not stream else None)
+        sink = _OutputSink(self._stdout, self._stderr, result if not stream else None, on_data)
         outcome = relay.wait(sink, timeout, interrupt=lambda: self._signal(targets, signal.SIGINT))
         result.elapsed = time.perf_counter() - began
         for rank, bundle in relay.values().items():
@@ -546,10 +550,21 @@ class DDPCluster:
 class _OutputSink:
     """Where a cell's output goes: tagged lines to stdout/stderr, or into the result."""
 
-    def __init__(self, stdout: TextIO | None, stderr: TextIO | None, collect: CellResult | None) -> None:
+    def __init__(
+        self,
+        stdout: TextIO | None,
+        stderr: TextIO | None,
+        collect: CellResult | None,
+        on_data: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._collect = collect
+        self._on_data = on_data
+
+    def data(self, rank: int, payload: dict[str, Any]) -> None:
+        if self._on_data is not None:
+            self._on_data(rank, payload)
 
     def write(self, rank: int, stream: str, lines: list[str]) -> None:
         if not lines:
@@ -620,6 +635,12 @@ class _CellRelay:
             self._queue.put(("stream", rank, content["name"], content["text"]))
         elif kind == "display_data":
             self._queue.put(("display", rank, content))
+        elif kind == "data_message":
+            # what a rank published with ipyparallel's publish_data: plain data, signed message
+            from ipyparallel.serialize import deserialize_object
+
+            payload, _ = deserialize_object(msg["buffers"])
+            self._queue.put(("data", rank, payload))
 
     def wait(self, sink: _OutputSink, timeout: float | None, interrupt: Callable[[], None]) -> str:
         """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'."""
@@ -675,6 +696,9 @@ class _CellRelay:
         elif kind == "display":
             _, rank, content = item
             _show_display(rank, content)
+        elif kind == "data":
+            _, rank, payload = item
+            sink.data(rank, payload)
         elif kind == "idle":
             self._idle.add(item[1])
         elif kind == "replied":
