@@ -1,0 +1,432 @@
+"""The notebook-side live view of a cell's progress and metrics.
+
+`LiveView` (in a kernel with a widget frontend): one progress bar per rank per loop level,
+one plotly FigureWidget with a curve per metric per rank, and a status table. `TextView`
+(a plain script, terminal IPython): a concise progress line every few seconds and a
+summary per rank at the end. Both draw what a `channel.Feed` holds; the Feed decides when.
+
+ipywidgets and plotly are imported only when a LiveView is made.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from .channel import BarState, Feed, RankState, View
+
+# while the cell runs, a curve longer than this is drawn with every k-th point (and its
+# last one), so each redraw stays small; the final drawing has every point
+LIVE_POINTS = 2000
+TEXT_INTERVAL_SECONDS = 2.0
+STATE_COLORS = {"running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
+
+
+def widget_frontend() -> bool:
+    """True inside a Jupyter kernel (widgets can be shown), False in a script or terminal IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def preload() -> None:
+    """Import plotly's FigureWidget in the background where widgets will be shown.
+
+    Its first import takes over a second (anywidget and plotly.js's bundle): done while a
+    world starts, the first live view of a cell appears at once instead of that late.
+    """
+    if widget_frontend():
+        threading.Thread(target=_import_widgets, name="ddp-preload-widgets", daemon=True).start()
+
+
+def _import_widgets() -> None:
+    try:
+        import ipywidgets  # noqa: F401
+        from plotly.graph_objs import FigureWidget  # noqa: F401
+    except Exception:  # noqa: BLE001  (the live view reports it when it is made)
+        pass
+
+
+def make_view(stream: TextIO | None = None) -> View:
+    """The live view where widgets can be shown, else the text fallback."""
+    return LiveView() if widget_frontend() else TextView(stream)
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def format_seconds(seconds: float | None) -> str:
+    """tqdm's style: 00:07, 03:25, 1:02:03."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def format_rate(rate: float | None, unit: str = "it") -> str:
+    if rate is None or not math.isfinite(rate):
+        return f"? {unit}/s"
+    if rate >= 1 or rate == 0:
+        return f"{rate:.2f} {unit}/s" if rate < 100 else f"{rate:.0f} {unit}/s"
+    return f"{1 / rate:.2f} s/{unit}"
+
+
+def format_value(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4g}"
+
+
+def bar_text(bar: BarState) -> str:
+    """`37/100 [00:03<00:05, 12.30 it/s]`, like tqdm."""
+    count = f"{bar.n}/{bar.total}" if bar.total is not None else f"{bar.n}"
+    remaining = f"<{format_seconds(bar.eta)}" if bar.state == "running" and bar.total is not None else ""
+    suffix = "" if bar.state in ("running", "done") else f", {bar.state}"
+    return f"{count} [{format_seconds(bar.elapsed)}{remaining}, {format_rate(bar.rate)}{suffix}]"
+
+
+# ---------------------------------------------------------------- text fallback
+
+
+class TextView:
+    """Concise text progress: a line at most every `interval` seconds, then one line per rank."""
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        interval: float = TEXT_INTERVAL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._stream = stream
+        self._interval = interval
+        self._clock = clock
+        self._last = -math.inf
+
+    def show(self) -> None:
+        pass
+
+    def draw(self, feed: Feed, final: bool) -> None:
+        now = self._clock()
+        if not final and now - self._last < self._interval:
+            return
+        self._last = now
+        lines = summary_lines(feed) if final else [progress_line(feed)]
+        out = self._stream or sys.stdout  # looked up now: IPython swaps sys.stdout per cell
+        out.write("".join(line + "\n" for line in lines))
+        out.flush()
+
+
+def progress_line(feed: Feed) -> str:
+    """The slowest rank's bar at each level, and each metric's mean over the ranks."""
+    parts = []
+    for level in sorted({level for _, level in feed.bars}):
+        bars = [bar for (_, bar_level), bar in feed.bars.items() if bar_level == level]
+        slowest = min(bars, key=lambda bar: (bar.fraction if bar.fraction is not None else 0.0, bar.n))
+        name = f"{slowest.desc} " if slowest.desc else ""
+        parts.append(f"{name}{bar_text(slowest)}")
+    values = _mean_last_values(feed.ranks.values())
+    if values:
+        ranks = len(feed.ranks)
+        mean = f" (mean of {ranks} ranks)" if ranks > 1 else ""
+        parts.append(", ".join(f"{name} {format_value(value)}" for name, value in values.items()) + mean)
+    return f"[progress {format_seconds(feed.elapsed)}] " + " | ".join(parts or ["started"])
+
+
+def summary_lines(feed: Feed) -> list[str]:
+    ended = {None: "finished", "failed": "failed", "stopped": "stopped"}.get(feed.outcome, "ended")
+    lines = [f"[progress] {ended} after {feed.elapsed:.1f} s; {len(feed.metrics)} points logged"]
+    for rank in sorted(feed.ranks):
+        state = feed.ranks[rank]
+        values = ", ".join(f"{name} {format_value(value)}" for name, value in state.last.items())
+        lines.append(
+            f"[progress] rank {rank}: {state.state}, {state.steps} steps, {format_rate(state.rate, 'step')}"
+            + (f", {values}" if values else "")
+        )
+    return lines
+
+
+def _mean_last_values(states: Any) -> dict[str, float]:
+    collected: dict[str, list[float]] = {}
+    for state in states:
+        for name, value in state.last.items():
+            collected.setdefault(name, []).append(value)
+    return {name: sum(values) / len(values) for name, values in collected.items()}
+
+
+# ---------------------------------------------------------------- widgets
+
+
+def live_points(steps: Sequence[float], values: Sequence[float], budget: int) -> tuple[list[float], list[float]]:
+    """Every k-th point (and always the last) so that at most about `budget` remain."""
+    if budget <= 0 or len(steps) <= budget:
+        return list(steps), list(values)
+    stride = math.ceil(len(steps) / budget)
+    xs, ys = list(steps[::stride]), list(values[::stride])
+    if (len(steps) - 1) % stride:
+        xs.append(steps[-1])
+        ys.append(values[-1])
+    return xs, ys
+
+
+class Smoother:
+    """TensorBoard's debiased exponential moving average, extended as points arrive."""
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+        self.smoothed: list[float] = []
+        self._mean = 0.0
+        self._count = 0
+
+    def extend(self, values: Sequence[float]) -> list[float]:
+        weight = self.weight
+        for value in values[len(self.smoothed) :]:
+            if not math.isfinite(value):
+                self.smoothed.append(value)
+                continue
+            self._count += 1
+            self._mean = self._mean * weight + (1 - weight) * value
+            self.smoothed.append(self._mean / (1 - weight**self._count))
+        return self.smoothed
+
+
+class _BarRow:
+    def __init__(self, widgets: Any, rank: int) -> None:
+        self.label = widgets.HTML()
+        self.bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="45%"))
+        self.text = widgets.HTML()
+        self.box = widgets.HBox([self.label, self.bar, self.text])
+        self.box.add_class("ddp-bar")
+        self.rank = rank
+        self.shown: tuple[Any, ...] = ()
+
+    def draw(self, bar: BarState) -> None:
+        key = (bar.id, bar.n, bar.total, bar.state, bar.desc, round(bar.rate or 0, 3))
+        if key == self.shown:
+            return
+        self.shown = key
+        name = html.escape(f"rank {self.rank}" + (f" · {bar.desc}" if bar.desc else ""))
+        self.label.value = f"<code>{name}</code>"
+        if bar.total is None:  # unknown length: a full bar, like tqdm.notebook
+            self.bar.max, self.bar.value = 1, 1
+            self.bar.bar_style = "info"
+        else:
+            self.bar.max = max(bar.total, 1)
+            self.bar.value = min(bar.n, self.bar.max) if bar.total else 1
+            self.bar.bar_style = {"done": "success", "closed": "warning"}.get(bar.state, "")
+        if bar.state == "done":
+            self.box.add_class("ddp-bar-done")
+        else:
+            self.box.remove_class("ddp-bar-done")
+        self.text.value = f"<code>{html.escape(bar_text(bar))}</code>"
+
+
+class LiveView:
+    """Bars, one FigureWidget for every rank's curves, and a status table, in one VBox."""
+
+    def __init__(self, live_budget: int = LIVE_POINTS) -> None:
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        self._widgets = widgets
+        self._live_budget = live_budget
+        self.header = widgets.HTML()
+        self.bars = widgets.VBox()
+        self.figure = go.FigureWidget(
+            layout={
+                "height": 300,
+                "margin": {"l": 60, "r": 20, "t": 30, "b": 40},
+                "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+                "hovermode": "x unified",
+                "template": "plotly_white",
+            }
+        )
+        self.smoothing = widgets.FloatSlider(
+            value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing", readout_format=".2f"
+        )
+        self.smoothing.observe(self._smoothing_changed, names="value")
+        self.plot = widgets.VBox()  # empty until a metric arrives: a progress-only cell shows no axes
+        self.status = widgets.HTML()
+        self.widget = widgets.VBox([self.header, self.bars, self.plot, self.status])
+        self.widget.add_class("ddp-live")
+        self._rows: dict[tuple[int, int], _BarRow] = {}
+        self._traces: dict[tuple[str, int], int] = {}
+        self._drawn: dict[tuple[str, int], tuple[int, int, float]] = {}
+        self._smoothers: dict[tuple[str, int], Smoother] = {}
+        self._names: list[str] = []
+        self._axes: set[str] = set()
+        self._feed: Feed | None = None
+        self._final = False
+
+    def show(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    def draw(self, feed: Feed, final: bool) -> None:
+        self._feed, self._final = feed, final
+        self._draw_header(feed, final)
+        self._draw_bars(feed)
+        self._draw_curves(feed, final)
+        self.status.value = status_table(feed)
+
+    def _draw_header(self, feed: Feed, final: bool) -> None:
+        ranks = ", ".join(str(rank) for rank in sorted(feed.ranks))
+        if not final:
+            state = f"running · {feed.elapsed:.1f} s"
+        else:
+            state = {None: "finished", "failed": "failed", "stopped": "stopped"}.get(feed.outcome, "ended")
+            state += f" after {feed.elapsed:.1f} s"
+        lost = sum(rank.lost for rank in feed.ranks.values())
+        warning = f" · <b>{lost} updates were lost</b>" if lost else ""
+        self.header.value = f"<b>ddp_notebook</b> · ranks {ranks} · {state} · {len(feed.metrics)} points{warning}"
+
+    def _draw_bars(self, feed: Feed) -> None:
+        added = False
+        for key in sorted(feed.bars):
+            row = self._rows.get(key)
+            if row is None:
+                row = self._rows[key] = _BarRow(self._widgets, key[0])
+                added = True
+            row.draw(feed.bars[key])
+        if added:
+            self.bars.children = tuple(self._rows[key].box for key in sorted(self._rows))
+
+    def _draw_curves(self, feed: Feed, final: bool) -> None:
+        metrics = feed.metrics
+        keys = metrics.keys()
+        if not keys:
+            return
+        if not self.plot.children:
+            self.plot.children = (self.figure, self.smoothing)
+        weight = self.smoothing.value
+        budget = 0 if final else self._live_budget
+        names = metrics.names
+        if names != self._names:
+            self._names = names
+            self._lay_out(names)
+        with self.figure.batch_update():
+            for key in keys:
+                name, rank = key
+                steps, values = metrics.series(name, rank)
+                shown = (len(steps), budget, weight)
+                if self._drawn.get(key) == shown:
+                    continue
+                self._drawn[key] = shown
+                if weight > 0:
+                    smoother = self._smoothers.get(key)
+                    if smoother is None or smoother.weight != weight:
+                        smoother = self._smoothers[key] = Smoother(weight)
+                    values = smoother.extend(values)
+                xs, ys = live_points(steps, values, budget)
+                index = self._trace_index(key, names.index(name))
+                trace = self.figure.data[index]
+                trace.x, trace.y = _array(xs), _array(ys)
+                trace.mode = "lines+markers" if len(xs) <= 50 else "lines"
+
+    def _lay_out(self, names: Sequence[str]) -> None:
+        layout = axes_layout(names)
+        # a new axis goes in on its own: plotly's batched update would send both `yaxis2`
+        # and `yaxis2.domain`, which plotly.js rejects
+        for key in [key for key in layout if key.startswith(("xaxis", "yaxis")) and key not in self._axes]:
+            self._axes.add(key)
+            self.figure.layout[key] = layout.pop(key)
+        self.figure.update_layout(**layout)
+
+    def _trace_index(self, key: tuple[str, int], axis: int) -> int:
+        index = self._traces.get(key)
+        if index is not None:
+            return index
+        name, rank = key
+        suffix = "" if axis == 0 else str(axis + 1)
+        first_of_rank = all(other_rank != rank for _, other_rank in self._traces)
+        self.figure.add_scatter(
+            x=[],
+            y=[],
+            name=f"rank {rank}",
+            meta=name,
+            legendgroup=f"rank {rank}",
+            legendrank=rank,
+            showlegend=first_of_rank,
+            line={"color": _rank_color(rank)},
+            xaxis=f"x{suffix}",
+            yaxis=f"y{suffix}",
+            hovertemplate=f"{html.escape(name)}: %{{y:.4g}}<extra>rank {rank}</extra>",
+        )
+        index = self._traces[key] = len(self.figure.data) - 1
+        return index
+
+    def _smoothing_changed(self, _: Any) -> None:
+        # redraw with the new weight (in a live cell, the next redraw picks it up)
+        if self._feed is not None:
+            self._draw_curves(self._feed, self._final)
+
+
+def axes_layout(names: Sequence[str]) -> dict[str, Any]:
+    """One subplot per metric, stacked (each with its own steps: some may be epochs)."""
+    count = len(names)
+    gap = 0.12 if count > 1 else 0.0
+    height = (1.0 - gap * (count - 1)) / count
+    layout: dict[str, Any] = {"height": 140 + 220 * count}
+    for index, name in enumerate(names):
+        suffix = "" if index == 0 else str(index + 1)
+        top = 1.0 - index * (height + gap)
+        layout[f"yaxis{suffix}"] = {
+            "domain": [max(0.0, top - height), top],
+            "title": {"text": name},
+            "anchor": f"x{suffix}",
+        }
+        layout[f"xaxis{suffix}"] = {
+            "anchor": f"y{suffix}",
+            "title": {"text": "step" if index == count - 1 else ""},
+        }
+    return layout
+
+
+def status_table(feed: Feed) -> str:
+    names = feed.metrics.names
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["rank", "state", "steps", "steps/s", "time", *names])
+    rows = []
+    for rank in sorted(feed.ranks):
+        state: RankState = feed.ranks[rank]
+        color = STATE_COLORS.get(state.state, "inherit")
+        cells = [
+            f"{rank}",
+            f'<span style="color:{color}">{html.escape(state.state)}</span>',
+            f"{state.steps}",
+            "-" if state.rate is None else f"{state.rate:.1f}",
+            f"{state.t:.1f} s",
+            *(format_value(state.last.get(name)) for name in names),
+        ]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+    return (
+        '<table class="ddp-status" style="font-family:monospace;font-size:12px;border-spacing:12px 2px">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def _rank_color(rank: int) -> str:
+    from plotly.colors import qualitative
+
+    palette = qualitative.Plotly
+    return palette[rank % len(palette)]
+
+
+def _array(values: list[float]) -> Any:
+    # numpy arrays travel to the browser as binary buffers, lists as (slower) JSON
+    try:
+        import numpy
+    except ImportError:
+        return [None if isinstance(v, float) and not math.isfinite(v) else v for v in values]
+    return numpy.asarray(values, dtype=float)

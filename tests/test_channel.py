@@ -1,0 +1,387 @@
+"""Unit tests of the rank -> notebook channel: buffering, throttling, message shapes, the Feed."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from ddp_notebook.channel import (
+    FLUSH_SECONDS,
+    MESSAGE_KEY,
+    Channel,
+    Feed,
+    Metrics,
+    Progress,
+    RankMessage,
+    Recorder,
+)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def messages(sent: list[dict[str, Any]]) -> list[RankMessage]:
+    return [payload[MESSAGE_KEY] for payload in sent]
+
+
+def all_points(sent: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    steps: list[float] = []
+    values: list[float] = []
+    for message in messages(sent):
+        if name in message["metrics"]:
+            steps.extend(message["metrics"][name][0])
+            values.extend(message["metrics"][name][1])
+    return steps, values
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def sent() -> list[dict[str, Any]]:
+    return []
+
+
+@pytest.fixture
+def channel(clock: Clock, sent: list[dict[str, Any]]) -> Channel:
+    return Channel(publish=sent.append, clock=clock)
+
+
+# ---------------------------------------------------------------- rank side
+
+
+def test_log_every_millisecond_flushes_about_ten_times_a_second_and_keeps_every_point(
+    channel: Channel, clock: Clock, sent: list[dict[str, Any]]
+) -> None:
+    for step in range(1000):  # one second of steps
+        channel.log(None, {"loss": 1.0 / (step + 1)})
+        clock.advance(0.001)
+    channel.end_cell("done")
+    flushes = messages(sent)
+    assert 10 <= len(flushes) <= 12  # the first call flushes at once, then every 0.1 s, then the tail
+    assert [m["seq"] for m in flushes] == list(range(len(flushes)))
+    assert [m["state"] for m in flushes] == ["running"] * (len(flushes) - 1) + ["done"]
+    steps, values = all_points(sent, "loss")
+    assert steps == list(range(1000))
+    assert values == [1.0 / (step + 1) for step in range(1000)]
+    assert flushes[-1]["count"] == 1000
+
+
+def test_a_flush_waits_for_the_interval(channel: Channel, clock: Clock, sent: list[dict[str, Any]]) -> None:
+    channel.log(None, {"loss": 1.0})
+    assert len(sent) == 1  # the first point of a cell goes out at once
+    clock.advance(FLUSH_SECONDS * 0.6)
+    channel.log(None, {"loss": 2.0})
+    assert len(sent) == 1
+    clock.advance(FLUSH_SECONDS * 0.6)
+    channel.log(None, {"loss": 3.0})
+    assert len(sent) == 2
+    assert messages(sent)[1]["metrics"] == {"loss": [[1, 2], [2.0, 3.0]]}
+
+
+def test_explicit_steps_are_kept_and_do_not_advance_the_step_count(
+    channel: Channel, sent: list[dict[str, Any]]
+) -> None:
+    for epoch in range(3):
+        for _ in range(2):
+            channel.log(None, {"loss": 0.5})
+        channel.log(epoch * 10, {"accuracy": 0.9})
+    channel.end_cell("done")
+    assert all_points(sent, "loss")[0] == [0, 1, 2, 3, 4, 5]
+    assert all_points(sent, "accuracy")[0] == [0, 10, 20]
+    last = messages(sent)[-1]
+    assert (last["count"], last["calls"]) == (6, 9)
+    assert last["explicit"] == ["accuracy"]
+
+
+def test_numbers_of_any_kind_become_floats_and_others_are_refused(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    class Scalar:  # what a one-element tensor offers
+        def __float__(self) -> float:
+            return 0.25
+
+    channel.log(None, {"a": 1, "b": True, "c": Scalar()})
+    assert messages(sent)[0]["metrics"] == {"a": [[0], [1.0]], "b": [[0], [1.0]], "c": [[0], [0.25]]}
+    with pytest.raises(TypeError, match=r"log\(loss=...\) needs a number, got str"):
+        channel.log(None, {"loss": "high"})
+
+
+def test_a_cell_that_logs_nothing_sends_nothing(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    channel.begin_cell()
+    channel.end_cell("done")
+    assert sent == []
+
+
+def test_the_end_of_a_cell_is_told_even_with_nothing_left_to_send(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    channel.log(None, {"loss": 1.0})
+    channel.end_cell("failed")
+    assert [m["state"] for m in messages(sent)] == ["running", "failed"]
+    assert messages(sent)[1]["metrics"] == {}
+
+
+def test_each_cell_counts_steps_and_messages_from_zero(
+    channel: Channel, clock: Clock, sent: list[dict[str, Any]]
+) -> None:
+    channel.log(None, {"loss": 1.0})
+    channel.end_cell("done")
+    channel.begin_cell()
+    clock.advance(1)
+    channel.log(None, {"loss": 2.0})
+    channel.end_cell("done")
+    second = messages(sent)[2:]
+    assert [m["seq"] for m in second] == [0, 1]
+    assert second[0]["metrics"] == {"loss": [[0], [2.0]]}
+    assert second[0]["t"] == 1.0  # seconds since the cell began
+
+
+def test_progress_counts_iterations_and_knows_its_total(
+    channel: Channel, clock: Clock, sent: list[dict[str, Any]]
+) -> None:
+    seen = []
+    bar = Progress(channel, range(5), "epoch", None)
+    assert len(bar) == 5
+    for item in bar:
+        seen.append(item)
+        clock.advance(0.5)  # every step flushes
+    channel.end_cell("done")
+    assert seen == [0, 1, 2, 3, 4]
+    states = [(b["n"], b["total"], b["state"]) for m in messages(sent) for b in m["bars"]]
+    assert states[0] == (0, 5, "running")
+    assert states[-1] == (5, 5, "done")
+    assert [n for n, _, _ in states] == sorted(n for n, _, _ in states)
+    assert messages(sent)[-1]["bars"][0]["elapsed"] == pytest.approx(2.5)
+
+
+def test_progress_over_an_iterable_without_length_learns_it_at_the_end(
+    channel: Channel, sent: list[dict[str, Any]]
+) -> None:
+    bar = Progress(channel, (x for x in range(7)), "stream", None)
+    with pytest.raises(TypeError, match="no length"):
+        len(bar)
+    assert list(bar) == list(range(7))
+    channel.end_cell("done")
+    final = messages(sent)[-1]["bars"][0]
+    assert (final["n"], final["total"], final["state"]) == (7, 7, "done")
+
+
+def test_total_overrides_the_length(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    assert list(itertools.islice(Progress(channel, itertools.count(), "", 3), 3)) == [0, 1, 2]
+    channel.end_cell("done")
+    final = messages(sent)[-1]["bars"][0]
+    assert final["total"] == 3
+    assert final["state"] == "closed"  # islice stopped asking: the bar did not run out
+
+
+def test_nested_bars_have_levels_and_inner_bars_are_new_each_time(
+    channel: Channel, clock: Clock, sent: list[dict[str, Any]]
+) -> None:
+    for _ in Progress(channel, range(2), "epoch", None):
+        for _ in Progress(channel, range(3), "batch", None):
+            clock.advance(0.2)
+    channel.end_cell("done")
+    bars = {(b["id"], b["level"], b["desc"]): b for m in messages(sent) for b in m["bars"]}
+    assert sorted(bars) == [(0, 0, "epoch"), (1, 1, "batch"), (2, 1, "batch")]
+    assert all(b["state"] == "done" and b["n"] == b["total"] for b in bars.values())
+
+
+def test_leaving_a_loop_early_closes_its_bar(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    for item in Progress(channel, range(10), "epoch", None):
+        if item == 3:
+            break
+    channel.end_cell("done")
+    final = messages(sent)[-1]["bars"][0]
+    assert (final["n"], final["state"]) == (3, "closed")
+
+
+def test_a_failing_cell_closes_its_open_bars_once(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    loop = iter(Progress(channel, range(10), "epoch", None))
+    next(loop)
+    channel.end_cell("failed")
+    del loop  # the generator closes after its cell ended: no second report
+    last = messages(sent)[-1]
+    assert last["state"] == "failed"
+    assert [(b["n"], b["state"]) for b in last["bars"]] == [(0, "closed")]
+    channel.begin_cell()
+    channel.end_cell("done")
+    assert messages(sent)[-1] is last
+
+
+def test_outside_a_rank_nothing_is_sent() -> None:
+    channel = Channel(publish=None)
+    channel.log(None, {"loss": 1.0})
+    assert list(Progress(channel, range(3), "x", None)) == [0, 1, 2]
+    channel.end_cell("done")
+
+
+# ---------------------------------------------------------------- notebook side
+
+
+class CountingView:
+    def __init__(self) -> None:
+        self.shown = 0
+        self.draws: list[bool] = []
+
+    def show(self) -> None:
+        self.shown += 1
+
+    def draw(self, feed: Feed, final: bool) -> None:
+        self.draws.append(final)
+
+
+def rank_messages(clock: Clock, steps: int, rank_seconds: float = 0.001) -> list[dict[str, Any]]:
+    """What one rank sends for a cell that logs `steps` losses inside two nested loops."""
+    sent: list[dict[str, Any]] = []
+    channel = Channel(publish=sent.append, clock=clock)
+    for epoch in Progress(channel, range(2), "epoch", None):
+        for step in Progress(channel, range(steps // 2), "batch", None):
+            channel.log(None, {"loss": float(step)})
+            clock.advance(rank_seconds)
+        channel.log(epoch, {"accuracy": 0.5 + epoch / 10})
+    channel.end_cell("done")
+    return sent
+
+
+def test_feed_keeps_every_point_and_the_bars_and_ranks_state(clock: Clock) -> None:
+    view = CountingView()
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    for rank in (0, 1):
+        for payload in rank_messages(clock, 400):
+            feed(rank, payload)
+    assert view.shown == 1
+    assert view.draws[-1] is True
+    assert feed.finished and feed.outcome is None
+    assert len(feed.metrics) == 2 * (400 + 2)
+    steps, values = feed.metrics.series("loss", 1)
+    assert steps == list(range(400))
+    assert values == [float(s) for s in range(200)] * 2
+    assert feed.metrics.series("accuracy", 0) == ([0, 1], [0.5, 0.6])
+    for rank in (0, 1):
+        assert feed.ranks[rank].state == "done"
+        assert feed.ranks[rank].steps == 402
+        assert feed.ranks[rank].lost == 0
+        assert feed.ranks[rank].last == {"loss": 199.0, "accuracy": 0.6}
+        epoch, batch = feed.bars[(rank, 0)], feed.bars[(rank, 1)]
+        assert (epoch.n, epoch.total, epoch.state, epoch.fraction) == (2, 2, "done", 1.0)
+        assert (batch.id, batch.n, batch.total, batch.state) == (2, 200, 200, "done")
+
+
+def test_feed_redraws_at_most_ten_times_a_second(clock: Clock) -> None:
+    view = CountingView()
+    feed = Feed(lambda: view, clock=clock)
+    sent = rank_messages(clock, 2000, rank_seconds=0.0)  # made instantly: the clock moves below
+    for payload in sent:
+        feed(0, payload)
+        clock.advance(0.01)  # messages arrive 100 per second
+    feed.finish()
+    duration = 0.01 * len(sent)
+    assert len(view.draws) <= duration / 0.1 + 2
+    assert view.draws.count(True) == 1
+
+
+def test_feed_ignores_data_that_is_not_ours(clock: Clock) -> None:
+    view = CountingView()
+    feed = Feed(lambda: view, clock=clock)
+    feed(0, {"something": 1})
+    feed(0, {MESSAGE_KEY: {"v": 999}})
+    assert view.shown == 0 and feed.received == 0
+    feed.finish("failed")
+    assert view.draws == []
+
+
+def test_a_lost_message_is_counted(clock: Clock) -> None:
+    feed = Feed(None, clock=clock)
+    sent = rank_messages(clock, 200, rank_seconds=0.05)
+    del sent[2]
+    for payload in sent:
+        feed(0, payload)
+    assert feed.ranks[0].lost == 1
+
+
+def test_finish_marks_ranks_that_never_ended(clock: Clock) -> None:
+    feed = Feed(None, ranks=[0, 1], clock=clock)
+    channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    channel.log(None, {"loss": 1.0})
+    other = Channel(publish=lambda payload: feed(1, payload), clock=clock)
+    other.log(None, {"loss": 1.0})
+    other.end_cell("failed")
+    assert not feed.finished
+    feed.finish("failed")
+    assert feed.ranks[0].state == "failed"  # it never said: the cell failed around it
+    assert feed.outcome == "failed"
+
+
+def test_an_appended_cell_continues_the_steps_and_the_view(clock: Clock) -> None:
+    recorder = Recorder()
+    view = CountingView()
+    first = recorder.feed(lambda: view)
+    for payload in rank_messages(clock, 10):
+        first(0, payload)
+    first.finish()
+    second = recorder.feed(lambda: CountingView(), append=True)
+    for payload in rank_messages(clock, 10):
+        second(0, payload)
+    second.finish()
+    assert second.view is view and view.shown == 2
+    assert recorder.metrics is first.metrics
+    steps, _ = recorder.metrics.series("loss", 0)
+    assert steps == list(range(20))
+    assert recorder.metrics.series("accuracy", 0)[0] == [0, 1, 0, 1]  # given steps stay as given
+
+
+def test_a_cell_that_logs_nothing_leaves_the_latest_metrics(clock: Clock) -> None:
+    recorder = Recorder()
+    assert not recorder.metrics
+    first = recorder.feed(None)
+    for payload in rank_messages(clock, 10):
+        first(0, payload)
+    quiet = recorder.feed(None)
+    quiet.finish()
+    assert recorder.latest is first
+    fresh = recorder.feed(None)
+    fresh(0, rank_messages(clock, 4)[0])
+    assert recorder.latest is fresh and recorder.metrics is not first.metrics
+
+
+def test_metrics_as_a_table() -> None:
+    metrics = Metrics()
+    metrics.add(0, "loss", [0, 1], [0.5, 0.25])
+    metrics.add(1, "loss", [0], [0.75])
+    metrics.add(0, "lr", [0], [0.1])
+    assert metrics.to_dict() == {
+        "rank": [0, 0, 1, 0],
+        "name": ["loss", "loss", "loss", "lr"],
+        "step": [0, 1, 0, 0],
+        "value": [0.5, 0.25, 0.75, 0.1],
+    }
+    assert metrics.names == ["loss", "lr"] and metrics.ranks == [0, 1] and len(metrics) == 4
+    assert metrics.last("loss", 0) == 0.25 and metrics.last("loss", 5) is None
+    assert repr(metrics) == "<Metrics: 4 points; loss (rank 0: 2, rank 1: 1); lr (rank 0: 1)>"
+    steps, _ = metrics.series("loss", 0)
+    steps.append(99)  # a copy: the store is not changed through it
+    assert metrics.series("loss", 0) == ([0, 1], [0.5, 0.25])
+
+
+def test_metrics_to_pandas() -> None:
+    metrics = Metrics()
+    metrics.add(0, "loss", [0, 1], [0.5, 0.25])
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="to_dict"):
+            metrics.to_pandas()
+    else:
+        frame = metrics.to_pandas()
+        assert list(frame.columns) == ["rank", "name", "step", "value"] and len(frame) == 2

@@ -1,0 +1,263 @@
+"""The notebook-side views, checked through what their widgets send (a recording comm)."""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from typing import Any
+
+import comm
+import pytest
+from comm.base_comm import BaseComm
+
+from ddp_notebook.channel import Channel, Feed, Progress
+from ddp_notebook.widgets import (
+    LiveView,
+    Smoother,
+    TextView,
+    format_rate,
+    format_seconds,
+    live_points,
+    make_view,
+    progress_line,
+    summary_lines,
+)
+
+
+class RecordingComm(BaseComm):
+    """A comm that keeps every message a widget sends to the frontend."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[tuple[float, str, dict[str, Any], list[Any]]] = []
+        super().__init__(*args, **kwargs)
+
+    def publish_msg(
+        self, msg_type: str, data: Any = None, metadata: Any = None, buffers: Any = None, **keys: Any
+    ) -> None:
+        self.sent.append((time.monotonic(), msg_type, data or {}, list(buffers or [])))
+
+
+@pytest.fixture
+def comms(monkeypatch: pytest.MonkeyPatch) -> list[RecordingComm]:
+    created: list[RecordingComm] = []
+
+    def create(*args: Any, **kwargs: Any) -> RecordingComm:
+        created.append(RecordingComm(*args, **kwargs))
+        return created[-1]
+
+    # comm.create_comm is the documented place to plug a comm implementation in
+    monkeypatch.setattr(comm, "create_comm", create)
+    return created
+
+
+def frontend_state(comms: list[RecordingComm]) -> dict[str, dict[str, Any]]:
+    """Each widget model's state as a frontend would hold it after every message so far."""
+    models: dict[str, dict[str, Any]] = {}
+    for channel in comms:
+        for _, msg_type, data, _ in channel.sent:
+            state = data.get("state") if msg_type in ("comm_open", "comm_msg") else None
+            if state:
+                models.setdefault(channel.comm_id, {}).update(state)
+    return models
+
+
+def models_named(comms: list[RecordingComm], name: str) -> list[dict[str, Any]]:
+    return [state for state in frontend_state(comms).values() if state.get("_model_name") == name]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def train(feed: Feed, clock: Clock, rank: int, epochs: int = 2, batches: int = 30) -> None:
+    """One rank's cell: nested bars, a loss every step, an accuracy per epoch."""
+    channel = Channel(publish=lambda payload: feed(rank, payload), clock=clock)
+    for epoch in Progress(channel, range(epochs), "epoch", None):
+        for step in Progress(channel, range(batches), "batch", None):
+            channel.log(None, {"loss": 1.0 / (1 + step)})
+            clock.advance(0.01)
+        channel.log(epoch, {"accuracy": 0.5 + epoch / 10})
+    channel.end_cell("done")
+
+
+def test_live_view_reaches_the_frontend_complete(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    for rank in (0, 1):
+        train(feed, clock, rank)
+    assert feed.finished
+
+    bars = models_named(comms, "IntProgressModel")
+    assert len(bars) == 4  # 2 ranks x 2 levels
+    assert all(bar["value"] == bar["max"] and bar["bar_style"] == "success" for bar in bars)
+    assert sorted(bar["max"] for bar in bars) == [2, 2, 30, 30]
+
+    traces = {(trace.meta, trace.name): len(trace.x) for trace in view.figure.data}
+    assert traces == {
+        ("loss", "rank 0"): 60,
+        ("loss", "rank 1"): 60,
+        ("accuracy", "rank 0"): 2,
+        ("accuracy", "rank 1"): 2,
+    }
+    texts = " ".join(state.get("value", "") for state in models_named(comms, "HTMLModel"))
+    assert "finished after" in texts and "124 points" in texts
+    assert texts.count(">done<") == 2
+    assert "30/30" in texts and "2/2" in texts
+
+
+def test_figure_updates_travel_as_binary_and_new_axes_are_valid(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, clock=clock)
+    train(feed, clock, 0)
+    feed.finish()
+    figure_comm = next(c for c in comms if c.comm_id == view.figure.comm.comm_id)
+    updates = [data["state"] for _, kind, data, _ in figure_comm.sent if kind == "comm_msg" and "state" in data]
+    restyles = [u for u in updates if u.get("_py2js_update") or u.get("_py2js_restyle")]
+    assert restyles, "no trace data went to the frontend"
+    assert any(buffers for _, _, _, buffers in figure_comm.sent), "arrays should travel as binary buffers"
+    for update in updates:
+        for key in ("_py2js_update", "_py2js_relayout"):
+            layout = (update.get(key) or {}).get("layout_data") or (update.get(key) or {}).get("relayout_data") or {}
+            # plotly.js refuses an update that sets an axis and one of its attributes at once
+            parents = {k for k in layout if "." not in k}
+            assert not any(k.split(".")[0] in parents for k in layout if "." in k), layout
+
+
+def test_while_running_long_curves_are_thinned_and_the_end_has_every_point(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView(live_budget=50)
+    feed = Feed(lambda: view, clock=clock)
+    channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    for step in range(1000):
+        channel.log(None, {"loss": float(step)})
+        clock.advance(0.005)
+    live_x = list(view.figure.data[0].x)
+    assert len(live_x) <= 52
+    assert live_x[0] == 0 and live_x == sorted(live_x)
+    channel.end_cell("done")
+    feed.finish()
+    assert list(view.figure.data[0].x) == list(range(1000))
+    assert list(view.figure.data[0].y) == [float(step) for step in range(1000)]
+
+
+def test_smoothing_redraws_with_a_moving_average(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, clock=clock)
+    channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    for step in range(100):
+        channel.log(None, {"loss": float(step % 2)})
+    channel.end_cell("done")
+    feed.finish()
+    view.smoothing.value = 0.9
+    smoothed = list(view.figure.data[0].y)
+    assert len(smoothed) == 100
+    assert smoothed[0] == 0.0 and abs(smoothed[-1] - 0.5) < 0.1  # zig-zag averaged out
+    view.smoothing.value = 0.0
+    assert list(view.figure.data[0].y) == [float(step % 2) for step in range(100)]
+
+
+def test_a_progress_only_cell_shows_no_plot(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, clock=clock)
+    channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    for _ in Progress(channel, range(3), "files", None):
+        clock.advance(0.2)
+    channel.end_cell("done")
+    feed.finish()
+    assert view.plot.children == ()
+    assert len(view.bars.children) == 1
+
+
+def test_a_failed_rank_is_shown_failed(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    channel = Channel(publish=lambda payload: feed(1, payload), clock=clock)
+    loop = iter(Progress(channel, range(10), "epoch", None))
+    next(loop)
+    channel.end_cell("failed")
+    feed.finish("failed")
+    assert "failed" in view.status.value and "failed after" in view.header.value
+    bar = models_named(comms, "IntProgressModel")[0]
+    assert bar["bar_style"] == "warning" and bar["value"] == 0
+
+
+# ---------------------------------------------------------------- pure helpers and the text view
+
+
+def test_live_points_is_an_exact_stride_with_the_last_point() -> None:
+    steps = list(range(1001))
+    values = [s * 2.0 for s in steps]
+    xs, ys = live_points(steps, values, 100)
+    stride = math.ceil(1001 / 100)
+    assert xs == [*steps[::stride], 1000] or xs == steps[::stride]
+    assert xs[-1] == 1000 and ys == [x * 2.0 for x in xs]
+    assert live_points(steps, values, 0) == (steps, values)
+    assert live_points([1, 2], [3, 4], 100) == ([1, 2], [3, 4])
+
+
+def test_smoother_is_debiased_and_incremental() -> None:
+    smoother = Smoother(0.5)
+    assert smoother.extend([2.0]) == [2.0]  # debiased: the first value is itself
+    assert smoother.extend([2.0, 4.0])[-1] == pytest.approx((0.5 * 1.0 + 2.0) / 0.75)
+    assert math.isnan(Smoother(0.5).extend([float("nan")])[0])
+
+
+def test_formatting() -> None:
+    assert format_seconds(7) == "00:07" and format_seconds(3723) == "1:02:03" and format_seconds(None) == "?"
+    assert format_rate(12.345) == "12.35 it/s" and format_rate(0.5) == "2.00 s/it" and format_rate(None) == "? it/s"
+
+
+def test_outside_a_kernel_the_view_is_text() -> None:
+    assert isinstance(make_view(), TextView)
+
+
+def test_text_view_is_concise_and_ends_with_a_line_per_rank() -> None:
+    clock = Clock()
+    out = io.StringIO()
+    feed = Feed(lambda: TextView(out, interval=1.0, clock=clock), ranks=[0, 1], clock=clock)
+    for rank in (0, 1):
+        train(feed, clock, rank, epochs=3, batches=100)  # 6 s of rank time
+    lines = out.getvalue().splitlines()
+    progress = [line for line in lines if line.startswith("[progress ")]
+    assert 3 <= len(progress) <= 8  # at most one a second
+    assert "epoch" in progress[1] and "batch" in progress[1] and "loss" in progress[1]
+    assert lines[-3].startswith("[progress] finished after")
+    assert lines[-2].startswith("[progress] rank 0: done, 303 steps")
+    assert "accuracy 0.7" in lines[-1]
+
+
+def test_progress_line_shows_the_slowest_rank_and_mean_values() -> None:
+    clock = Clock()
+    feed = Feed(None, clock=clock)
+    fast = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    slow = Channel(publish=lambda payload: feed(1, payload), clock=clock)
+    fast_bar, slow_bar = fast.open_bar("batch", 10), slow.open_bar("batch", 10)
+    for _ in range(6):
+        fast.step_bar(fast_bar)
+    for _ in range(2):
+        slow.step_bar(slow_bar)
+    fast.log(None, {"loss": 1.0})
+    slow.log(None, {"loss": 3.0})
+    clock.advance(1)
+    fast.flush()
+    slow.flush()
+    line = progress_line(feed)
+    assert "batch 2/10" in line and "loss 2 (mean of 2 ranks)" in line
+    fast.end_cell("done")
+    slow.end_cell("stopped")
+    feed.finish("stopped")
+    assert summary_lines(feed)[0].startswith("[progress] stopped after")
+    assert summary_lines(feed)[2].startswith("[progress] rank 1: stopped")
