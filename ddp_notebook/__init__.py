@@ -33,9 +33,12 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .channel import Metrics, log, progress
     from .rank import barrier, is_main, prepare_loader, prepare_model, save_checkpoint
 
 _RANK_HELPERS = ("barrier", "is_main", "prepare_loader", "prepare_model", "save_checkpoint")
+# live progress and metrics (standard library only, no torch)
+_CHANNEL_NAMES = ("Metrics", "log", "progress")
 
 __all__ = [
     "CellInterruptedError",
@@ -44,6 +47,7 @@ __all__ = [
     "DDPCluster",
     "DDPError",
     "DDPUsageError",
+    "Metrics",
     "NotRunningError",
     "RankError",
     "RankInfo",
@@ -54,14 +58,21 @@ __all__ = [
     "barrier",
     "is_main",
     "load_ipython_extension",
+    "log",
     "prepare_loader",
     "prepare_model",
+    "progress",
     "save_checkpoint",
     "unload_ipython_extension",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CHANNEL_NAMES:
+        from . import channel
+
+        value = globals()[name] = getattr(channel, name)  # cached: log() runs every step
+        return value
     if name in _RANK_HELPERS:
         from . import rank
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _remote, config, devices
+from . import _remote, channel, config, devices
 from ._environment import OWNER_PID_ENV, SLOT_ENV
 from .cells import check_syntax
 from .errors import (
@@ -133,6 +133,8 @@ class DDPCluster:
         self._ranks: dict[int, RankInfo] = {}
         self._slot_of_rank: dict[int, int] = {}
         self.start_seconds: float | None = None
+        # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
+        self.recorder = channel.Recorder()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +145,11 @@ class DDPCluster:
     @property
     def world_size(self) -> int:
         return self.config.n_ranks
+
+    @property
+    def metrics(self) -> channel.Metrics:
+        """Every point the ranks logged (`ddp_notebook.log`) in the latest cell that logged any."""
+        return self.recorder.metrics
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
@@ -410,9 +417,12 @@ class DDPCluster:
 
         `on_data(rank, data)` is called in this thread for each batch of plain data a rank
         publishes while the cell runs (metrics and progress, see `ddp_notebook.channel`).
+        By default, progress is printed as text and the metrics are kept in `self.metrics`.
         """
         client = self._require_running()
         targets = self._select(ranks)
+        if on_data is None:
+            on_data = self.recorder.feed(self._text_view if stream else None, ranks=targets)
         check_syntax(code)
         timeout = self.config.cell_timeout if timeout is None else timeout
         if timeout is not None:
@@ -439,6 +449,11 @@ class DDPCluster:
         if failures:
             raise RankError(failures, busy_ranks=relay.unfinished())
         return result
+
+    def _text_view(self) -> channel.View:
+        from .widgets import TextView
+
+        return TextView(self._stdout)
 
     def _signal(self, ranks: Iterable[int], signum: int) -> None:
         cluster = self._cluster

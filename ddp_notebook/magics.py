@@ -11,8 +11,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import config
+from .channel import Feed, Metrics, Recorder
 from .cluster import CellResult, DDPCluster
-from .errors import DDPUsageError
+from .errors import CellInterruptedError, CellTimeoutError, DDPUsageError
 from .report import format_start_summary, format_status, format_values
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,6 +39,8 @@ class DDPMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.world: DDPCluster | None = None
+        # one record of logged metrics for the notebook: it outlives %ddp_stop and restarts
+        self.recorder = Recorder()
 
     # ---------------------------------------------------------------- %ddp_start
 
@@ -89,6 +92,8 @@ class DDPMagics(Magics):
                     f"%ddp_stop it first, or add --restart"
                 )
             current.stop()
+        world.recorder = self.recorder
+        _preload_widgets()
         self.world = world.start()
         print(format_start_summary(world))
 
@@ -98,13 +103,18 @@ class DDPMagics(Magics):
     @argument("--ranks", default=None, help="ranks to run on: 0, 0,2, 1-3 or all (default: all)")
     @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
     @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
+    @argument("--append", action="store_true", help="add this cell's progress and metrics to the previous live view")
     @cell_magic
     @_usage_errors
     def ddp(self, line: str, cell: str) -> None:
-        """Run this cell on every rank (or on --ranks); rank state persists across cells."""
+        """Run this cell on every rank (or on --ranks); rank state persists across cells.
+
+        `ddp_notebook.progress(...)` and `ddp_notebook.log(...)` in the cell show up live under it.
+        """
         args = parse_argstring(self.ddp, line)
         world = self._running_world()
-        result = world.execute(cell, args.ranks, timeout=args.timeout, stream=not args.no_stream)
+        feed = self.recorder.feed(_make_view, append=args.append)
+        result = _execute_live(world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream)
         if args.no_stream:
             _print_collected(result)
         text = format_values(result)
@@ -127,6 +137,18 @@ class DDPMagics(Magics):
 
     @line_magic
     @_usage_errors
+    def ddp_metrics(self, line: str = "") -> Metrics:
+        """What the ranks logged with ddp_notebook.log in the latest cell that logged: `m = %ddp_metrics`.
+
+        `m.to_dict()` gives a table as a dict of lists, `m.to_pandas()` a DataFrame,
+        `m.series("loss", 0)` one rank's (steps, values).
+        """
+        if line.strip():
+            raise DDPUsageError(f"%ddp_metrics takes no arguments, got '{line.strip()}'")
+        return self.recorder.metrics
+
+    @line_magic
+    @_usage_errors
     def ddp_status(self, line: str = "") -> None:
         """Show each rank's state (idle/busy), host, pid, device and memory."""
         if line.strip():
@@ -138,6 +160,32 @@ class DDPMagics(Magics):
         if self.world is None or not self.world.running:
             raise DDPUsageError("no DDP world is running: start one with %ddp_start N (e.g. %ddp_start 2)")
         return self.world
+
+
+def _preload_widgets() -> None:
+    from .widgets import preload
+
+    preload()
+
+
+def _make_view() -> Any:
+    from .widgets import make_view
+
+    return make_view()
+
+
+def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, **kwargs: Any) -> CellResult:
+    """Run the cell with `feed` drawing its live view; the view shows how the cell ended."""
+    try:
+        result = world.execute(cell, ranks, on_data=feed, **kwargs)
+    except (CellInterruptedError, CellTimeoutError, KeyboardInterrupt):
+        feed.finish("stopped")
+        raise
+    except BaseException:
+        feed.finish("failed")
+        raise
+    feed.finish()
+    return result
 
 
 def _print_collected(result: CellResult) -> None:
