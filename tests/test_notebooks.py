@@ -23,6 +23,28 @@ def outputs_text(notebook: nbformat.NotebookNode) -> str:
     return "\n".join(parts)
 
 
+def widget_models(notebook: nbformat.NotebookNode) -> list[dict]:
+    """The widget models the kernel created, in the state its comm messages left them."""
+    saved = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    return [{"_model_name": model["model_name"], **model["state"]} for model in saved.get("state", {}).values()]
+
+
+def check_live_metrics(notebook: nbformat.NotebookNode, text: str) -> None:
+    """The live view's widgets ended complete; a rank's own tqdm bar and figure came through."""
+    models = widget_models(notebook)
+    bars = [m for m in models if m["_model_name"] == "IntProgressModel"]
+    assert len(bars) == 4 and all(m["value"] == m["max"] and m["bar_style"] == "success" for m in bars)
+    html = " ".join(str(m.get("value", "")) for m in models if m["_model_name"] == "HTMLModel")
+    assert html.count(">done<") == 2, "both ranks end 'done' in the status table"
+    assert "rank 0 · epoch" in html and "rank 1 · batch" in html
+    assert "<Metrics: 360 points; loss (rank 0: 160, rank 1: 160)" in text
+    # rank 0's own widgets: a tqdm.auto bar that reached its end, and a plotly FigureWidget
+    tqdm_bars = [m for m in models if m["_model_name"] == "FloatProgressModel"]
+    assert [(m["value"], m["max"]) for m in tqdm_bars] == [(4.0, 4.0)]
+    figures = [m for m in models if m.get("_anywidget_id", "").endswith("FigureWidget")]
+    assert len(figures) == 2 and any("'type': 'bar'" in str(m.get("_widget_data")) for m in figures)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -41,6 +63,8 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         assert "[rank 1] test accuracy" in text
         assert (tmp_path / "iris_model.pt").exists()
         assert re.search(r"reloaded model, test accuracy: ([\d.]+)%", text)
+    if path.name == "02_live_metrics.ipynb":
+        check_live_metrics(notebook, text)
 
 
 def test_there_are_notebooks() -> None:
