@@ -1,0 +1,266 @@
+"""The live view in a real browser: JupyterLab on 127.0.0.1, driven by Playwright in Debian's chromium.
+
+Skipped (with the reason) where chromium, JupyterLab or Playwright is missing; `.ci/install`
+installs all three. Screenshots go to test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import psutil
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from tests.conftest import wait_gone
+
+pytestmark = [pytest.mark.browser, pytest.mark.integration]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+SERVER_START_SECONDS = 60.0
+RUN_SECONDS = 120.0
+EPOCHS, BATCHES = 3, 40
+
+TRAIN_CELL = f"""%%ddp
+import time
+torch.manual_seed(rank)
+model = ddp_notebook.prepare_model(torch.nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+weights = torch.arange(8.0)
+for epoch in ddp_notebook.progress(range({EPOCHS}), desc="epoch"):
+    for batch in ddp_notebook.progress(range({BATCHES}), desc="batch"):
+        x = torch.randn(16, 8)
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(1), x @ weights)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ddp_notebook.log(loss=loss.item())
+        time.sleep(0.03)  # slow enough to watch it live
+"""
+# the user's own widgets, shown from one rank
+OWN_WIDGETS_CELL = """%%ddp --ranks 0
+from tqdm.auto import tqdm
+import plotly.graph_objects as go
+for _ in tqdm(range(5), desc="own tqdm"):
+    pass
+display(go.FigureWidget(go.Bar(y=[3, 1, 2]), layout={"height": 250}))
+"""
+
+# what the page shows: the live view's bars and curves, the other plots, any error
+SNAPSHOT_JS = """() => {
+  const live = document.querySelector('.ddp-live');
+  const plot = live && live.querySelector('.js-plotly-plot');
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  return {
+    views: document.querySelectorAll('.ddp-live').length,
+    traces: plot && plot.data ? plot.data.map(t => [t.meta, t.name, t.x ? t.x.length : 0]) : [],
+    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => ({
+      label: b.innerText,
+      width: b.querySelector('.progress-bar').style.width,
+      done: b.classList.contains('ddp-bar-done'),
+    })) : [],
+    otherPlots: plots.filter(p => !p.closest('.ddp-live')).map(p => (p.data || []).map(t => t.type)),
+    otherBars: Array.from(document.querySelectorAll('.widget-hprogress'))
+      .filter(p => !p.closest('.ddp-live'))
+      .map(p => [p.parentElement.innerText, p.querySelector('.progress-bar').style.width]),
+    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
+    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+      .map(o => o.innerText)
+      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
+    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
+  };
+}"""
+
+
+def missing_requirement() -> str | None:
+    if not CHROMIUM.exists():
+        return f"no chromium at {CHROMIUM} (apt-get install chromium; .ci/install does)"
+    for module, package in (("jupyterlab", "jupyterlab"), ("playwright", "playwright")):
+        if importlib.util.find_spec(module) is None:
+            return f"{package} is not installed (pip install -e '.[test]')"
+    return None
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """A JupyterLab server of our own on 127.0.0.1, stopped by its PID afterwards."""
+    reason = missing_requirement()
+    if reason:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "root"
+    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    root.mkdir()
+    # no news and no update checks: nothing leaves the machine, no toast over the screenshots
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    port, token = free_port(), secrets.token_hex(16)
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(base / "config"),
+        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
+    }
+    log = (base / "server.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.allow_root=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    started: set[int] = {server.pid}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not start: {(base / 'server.log').read_text()[-2000:]}"
+                    ) from None
+                time.sleep(0.2)
+        yield Lab(url, token, root)
+    finally:
+        # the kernel and the world's ranks are the server's descendants: ours to clean up
+        try:
+            started.update(child.pid for child in psutil.Process(server.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+        for pid in wait_gone(sorted(started), 15):
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+        assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"
+
+
+def write_notebook(path: Path) -> None:
+    cells = [
+        new_code_cell("%load_ext ddp_notebook\n%ddp_start 2"),
+        new_code_cell(TRAIN_CELL),
+        new_code_cell(OWN_WIDGETS_CELL),
+        new_code_cell("%ddp_stop"),
+    ]
+    notebook = new_notebook(
+        cells=cells,
+        metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
+    )
+    nbformat.write(notebook, path)
+
+
+def test_live_view_in_jupyterlab(lab: Lab) -> None:
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    write_notebook(lab.root / "live.ipynb")
+    console_errors: list[str] = []
+    samples: list[dict[str, Any]] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(lab.root.parent / "chromium-profile"),  # a fresh user-data-dir
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1200, "height": 1300},
+        )
+        try:
+            page = browser.new_page()
+            page.on("console", lambda message: console_errors.append(message.text) if message.type == "error" else None)
+            page.goto(f"{lab.url}/lab/tree/live.ipynb?token={lab.token}")
+            page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            deadline = time.monotonic() + RUN_SECONDS
+            while True:
+                sample = page.evaluate(SNAPSHOT_JS)
+                samples.append(sample)
+                if "stopped the world" in sample["text"] or sample["errors"]:
+                    break
+                if time.monotonic() > deadline:
+                    page.screenshot(path=ARTIFACTS / "browser-timeout.png", full_page=True)
+                    pytest.fail(f"the notebook did not finish in {RUN_SECONDS:g} s; last page state: {sample}")
+                page.wait_for_timeout(100)
+            page.wait_for_timeout(500)  # let plotly finish drawing before the pictures
+            final = page.evaluate(SNAPSHOT_JS)
+            page.screenshot(path=ARTIFACTS / "browser-notebook.png", full_page=True)
+            page.locator(".ddp-live").first.screenshot(path=ARTIFACTS / "live-view.png")
+        finally:
+            browser.close()
+
+    assert final["errors"] == [], final["errors"]
+    assert final["views"] == 1
+    # the bars: one per rank per loop level, all full
+    labels = sorted(bar["label"].split("\n")[0].strip() for bar in final["bars"])
+    assert labels == ["rank 0 · batch", "rank 0 · epoch", "rank 1 · batch", "rank 1 · epoch"], final["bars"]
+    assert all(bar["width"] == "100%" and bar["done"] for bar in final["bars"]), final["bars"]
+    assert any(f"{BATCHES}/{BATCHES}" in bar["label"] for bar in final["bars"])
+    # the curves: one per rank, every logged point
+    assert sorted(final["traces"]) == [["loss", "rank 0", EPOCHS * BATCHES], ["loss", "rank 1", EPOCHS * BATCHES]]
+    assert final["status"].count("done") == 2
+    # live: the page showed the curves growing while the cell ran
+    growing = {max(trace[2] for trace in s["traces"]) for s in samples if s["traces"]}
+    assert len([n for n in growing if 0 < n < EPOCHS * BATCHES]) >= 3, sorted(growing)
+    # the rank's own tqdm bar and plotly figure came through too
+    assert [["bar"]] == final["otherPlots"]
+    own_bars = [(" ".join(text.replace("\u2007", " ").split()), width) for text, width in final["otherBars"]]
+    assert len(own_bars) == 1 and own_bars[0][1] == "100%", own_bars
+    assert own_bars[0][0].startswith("own tqdm: 100%") and "5/5" in own_bars[0][0], own_bars
+    widget_errors = [e for e in console_errors if any(w in e.lower() for w in ("widget", "plotly", "model", "state"))]
+    assert widget_errors == []
