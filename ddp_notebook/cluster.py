@@ -642,6 +642,10 @@ class _CellRelay:
                 self._queue.put(("stream", rank, stream, metadata[stream]))
         for output in metadata["outputs"]:
             self._queue.put(("display", rank, output))
+        if metadata.get("data"):
+            # published before we listened (ipyparallel keeps only the merge of such messages;
+            # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
+            self._queue.put(("data", rank, dict(metadata["data"])))
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]

@@ -385,3 +385,21 @@ def test_metrics_to_pandas() -> None:
     else:
         frame = metrics.to_pandas()
         assert list(frame.columns) == ["rank", "name", "step", "value"] and len(frame) == 2
+
+
+def test_data_published_before_the_relay_listened_is_caught_up(clock: Clock) -> None:
+    """The cell relay replays the data ipyparallel folded into a message's metadata."""
+    from types import SimpleNamespace
+
+    from ddp_notebook.cluster import _CellRelay
+
+    sent: list[dict[str, Any]] = []
+    Channel(publish=sent.append, clock=clock).log(None, {"loss": 1.0})
+    metadata = {"stdout": "", "stderr": "", "outputs": [], "data": dict(sent[0])}
+    relay = _CellRelay(client=None, ranks=(0,))
+    relay._catch_up(0, SimpleNamespace(output=SimpleNamespace(metadata=metadata)))
+    kind, rank, payload = relay._queue.get_nowait()
+    feed = Feed(None, clock=clock)
+    feed(rank, payload)
+    assert (kind, rank) == ("data", 0)
+    assert feed.metrics.series("loss", 0) == ([0], [1.0])
