@@ -28,8 +28,10 @@ from .errors import (
     DDPError,
     DDPUsageError,
     NotRunningError,
+    RankDiedError,
     RankError,
     StartError,
+    WorldBrokenError,
 )
 
 if TYPE_CHECKING:
@@ -49,10 +51,12 @@ __all__ = [
     "DDPUsageError",
     "Metrics",
     "NotRunningError",
+    "RankDiedError",
     "RankError",
     "RankInfo",
     "RankStatus",
     "StartError",
+    "WorldBrokenError",
     "WorldConfig",
     "__version__",
     "barrier",

@@ -11,6 +11,7 @@ Both run ipyparallel's own entry points, with two additions:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,7 +44,11 @@ def watch_owner() -> None:
     def watch() -> None:
         while _owner_alive(owner_pid, parent_pid):
             time.sleep(OWNER_POLL_SECONDS)
-        # no clean shutdown is possible: the peers and the controller are going away too
+        # no clean shutdown is possible: the peers and the controller are going away too.
+        # The launcher made this process the leader of its own process group; the group
+        # holds the helpers it forked (the controller's schedulers), which must go too.
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(3)
 
     threading.Thread(target=watch, name="ddp-owner-watch", daemon=True).start()

@@ -13,16 +13,18 @@ import logging
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _remote, channel, config, devices
+from . import _remote, channel, config, devices, health
 from ._environment import OWNER_PID_ENV, SLOT_ENV
 from .cells import check_syntax
 from .errors import (
@@ -31,9 +33,11 @@ from .errors import (
     DDPError,
     DDPUsageError,
     NotRunningError,
+    RankDiedError,
     RankError,
     RankFailure,
     StartError,
+    WorldBrokenError,
 )
 from .output import LineAssembler, tag_lines
 
@@ -47,6 +51,10 @@ HEARTBEAT_MISSES = 50
 INTERRUPT_GRACE_SECONDS = 5.0
 # after every rank replied, how long to wait for the tail of its output
 OUTPUT_DRAIN_SECONDS = 2.0
+# how often a running cell checks that its ranks' processes are alive
+DEATH_CHECK_SECONDS = 0.25
+# after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
+DEATH_GRACE_SECONDS = 3.0
 STOP_SECONDS = 10.0
 
 
@@ -61,6 +69,7 @@ class RankInfo:
     device: str
     device_name: str
     gpu: str | None
+    main_thread: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,11 +139,15 @@ class DDPCluster:
         self._stderr = stderr
         self._cluster: Any = None
         self._client: Any = None
+        self._private_dir: str | None = None
+        self._views: dict[tuple[int, ...], Any] = {}
         self._ranks: dict[int, RankInfo] = {}
         self._slot_of_rank: dict[int, int] = {}
         self.start_seconds: float | None = None
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = channel.Recorder()
+        # ranks whose process died, with how; a world with dead ranks must be restarted
+        self.broken: dict[int, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -172,6 +185,8 @@ class DDPCluster:
         if self.running:
             raise DDPUsageError("this world is already running; stop() it first")
         began = time.perf_counter()
+        # for files only this user may read: the ranks' stack dumps
+        self._private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
         try:
             self._launch()
             engine_of_slot = self._wait_for_ranks(began + self.config.start_timeout)
@@ -183,6 +198,14 @@ class DDPCluster:
             raise StartError(f"could not start the world: {failure}") from failure
         self.start_seconds = time.perf_counter() - began
         return self
+
+    def restart(self) -> DDPCluster:
+        """Stop this world (whatever state it is in) and start a full one with the same settings.
+
+        The ranks are new processes: their Python state is gone.
+        """
+        self.stop()
+        return self.start()
 
     def stop(self) -> bool:
         """Stop every rank and the controller. Returns False if nothing was running."""
@@ -299,6 +322,7 @@ class DDPCluster:
                 "backend": cfg.backend,
                 "timeout": cfg.timeout,
                 "threads": cfg.threads_per_rank,
+                "stack_dir": self._private_dir,
             }
             pending[slot] = client[engine_id].apply_async(_remote.call_rank, "init_world", spec)
         for slot, result in pending.items():
@@ -315,25 +339,44 @@ class DDPCluster:
                 device=info["device"],
                 device_name=info["device_name"],
                 gpu=cfg.gpus[slot] if cfg.gpus else None,
+                main_thread=info.get("main_thread"),
             )
+
+    def _launchers(self, slot: int) -> list[Any]:
+        engine_set = self._cluster.engines.get(_engine_set_id(slot)) if self._cluster is not None else None
+        return list(getattr(engine_set, "launchers", {}).values()) if engine_set is not None else []
+
+    def _exit_code(self, slot: int) -> tuple[int, str] | None:
+        """(exit code, log file) of a rank process that has exited; None while it runs."""
+        for launcher in self._launchers(slot):
+            process = getattr(launcher, "process", None)
+            if process is None:
+                continue
+            try:
+                code = process.wait(timeout=0)
+            except Exception:  # noqa: BLE001  (still running: psutil.TimeoutExpired)
+                continue
+            return (code if code is not None else 0), getattr(launcher, "output_file", "")
+        return None
 
     def _exited_slots(self) -> list[tuple[int, str]]:
         exited = []
         for slot in range(self.config.n_ranks):
-            engine_set = self._cluster.engines.get(_engine_set_id(slot))
-            if engine_set is None:
-                continue
-            for launcher in engine_set.launchers.values():
-                process = getattr(launcher, "process", None)
-                if process is None:
-                    continue
-                try:
-                    code = process.wait(timeout=0)
-                except Exception:  # noqa: BLE001  (still running: psutil.TimeoutExpired)
-                    continue
-                tail = _log_tail(getattr(launcher, "output_file", ""))
-                exited.append((slot, f" (exit code {code}){': ' + tail if tail else ''}"))
+            found = self._exit_code(slot)
+            if found is not None:
+                code, log_file = found
+                tail = _log_tail(log_file)
+                exited.append((slot, f" ({describe_exit(code)}){': ' + tail if tail else ''}"))
         return exited
+
+    def _dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Ranks among `ranks` whose process is gone, with how each one ended."""
+        dead = {}
+        for rank in ranks:
+            found = self._exit_code(self._slot_of_rank[rank])
+            if found is not None:
+                dead[rank] = describe_exit(found[0])
+        return dead
 
     def _leave_process_group(self) -> None:
         # destroying the group before the processes go avoids gloo/nccl aborting on exit
@@ -356,7 +399,11 @@ class DDPCluster:
         self._client = None
         self._cluster = None
         self._ranks = {}
+        self._views = {}
+        self.broken = {}
         pids = self._started_pids(cluster)
+        # the controller forks helpers (schedulers, hub); a rank may have DataLoader workers
+        family = pids + _descendants(pids)
         if client is not None:
             try:
                 # ask the ranks to exit cleanly first; stragglers get SIGTERM, then SIGKILL
@@ -373,11 +420,14 @@ class DDPCluster:
                 _run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
-            _kill_survivors(pids)
+            _kill_survivors(family)
             try:
                 cluster.remove_cluster_file()
             except Exception:  # noqa: BLE001
                 pass
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
 
     @staticmethod
     def _started_pids(cluster: Any) -> list[int]:
@@ -395,6 +445,12 @@ class DDPCluster:
     def pids(self) -> list[int]:
         """PIDs of the controller and rank processes of this world."""
         return self._started_pids(self._cluster)
+
+    @property
+    def all_pids(self) -> list[int]:
+        """`pids` and every process they started (all of it ends with `stop()`)."""
+        pids = self.pids
+        return pids + _descendants(pids)
 
     # ------------------------------------------------------------------ running cells
 
@@ -431,10 +487,16 @@ class DDPCluster:
         began = time.perf_counter()
         relay = _CellRelay(client, targets)
         result = CellResult(ranks=targets)
-        async_result = client[engine_ids].execute(code, silent=False, block=False)
+        async_result = self._view(tuple(engine_ids)).execute(code, silent=False, block=False)
         relay.attach(async_result)
         sink = _OutputSink(self._stdout, self._stderr, result if not stream else None, on_data)
-        outcome = relay.wait(sink, timeout, interrupt=lambda: self._signal(targets, signal.SIGINT))
+        outcome = relay.wait(
+            sink,
+            timeout,
+            interrupt=lambda: self._signal(targets, signal.SIGINT),
+            find_dead=lambda: self._dead_ranks(targets),
+            report_stuck=self.where_stuck,
+        )
         result.elapsed = time.perf_counter() - began
         for rank, bundle in relay.values().items():
             result.values[rank] = bundle
@@ -444,7 +506,10 @@ class DDPCluster:
             raise CellInterruptedError(f"cell interrupted on ranks {_rank_list(targets)}{detail}")
         if outcome == "timeout":
             assert timeout is not None
-            raise CellTimeoutError(timeout, relay.unfinished())
+            raise CellTimeoutError(timeout, relay.unfinished(), relay.stuck_report)
+        if relay.dead:
+            self.broken = dict(relay.dead)
+            raise RankDiedError(relay.dead, relay.failures())
         failures = relay.failures()
         if failures:
             raise RankError(failures, busy_ranks=relay.unfinished())
@@ -454,6 +519,13 @@ class DDPCluster:
         from .widgets import TextView
 
         return TextView(self._stdout)
+
+    def _view(self, engine_ids: tuple[int, ...]) -> Any:
+        # a DirectView costs ~0.2 ms to make; a notebook reuses a handful of rank sets
+        view = self._views.get(engine_ids)
+        if view is None:
+            view = self._views[engine_ids] = self._client.direct_view(list(engine_ids))
+        return view
 
     def _signal(self, ranks: Iterable[int], signum: int) -> None:
         cluster = self._cluster
@@ -466,6 +538,21 @@ class DDPCluster:
                     engine_set.signal(signum)
                 except Exception:
                     log.debug("signal to rank %s failed", rank, exc_info=True)
+
+    def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
+        """One line per rank saying where its main thread is (works while it is blocked)."""
+        self._require_running()
+        chosen = self._select(ranks)
+        local = socket.gethostname()
+        infos = {r: self._ranks[r] for r in chosen if self._ranks[r].host == local}
+        if not infos or self._private_dir is None:
+            return ""
+        dumps = health.request_stacks({r: info.pid for r, info in infos.items()}, self._private_dir)
+        lines = []
+        for rank, info in infos.items():
+            frames = health.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
+            lines.append(f"rank {rank}: {health.describe_stuck_rank(frames)}")
+        return "\n".join(lines)
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
         """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""
@@ -545,6 +632,11 @@ class DDPCluster:
     def _require_running(self) -> Any:
         if self._client is None:
             raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
+        if self.broken:
+            ranks = ", ".join(f"rank {r} {how}" for r, how in sorted(self.broken.items()))
+            raise WorldBrokenError(
+                f"the world is broken ({ranks}): %ddp_restart (or restart()) starts a full world again"
+            )
         return self._client
 
     def _select(self, ranks: Iterable[int] | str | None) -> tuple[int, ...]:
@@ -614,25 +706,27 @@ class _CellRelay:
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._async_result: Any = None
         self._idle: set[int] = set()
+        self.dead: dict[int, str] = {}
+        self.stuck_report = ""
 
     def attach(self, async_result: Any) -> None:
+        """Start relaying `async_result`'s messages; call right after sending the cell.
+
+        The request itself was handed to the IO thread as a callback; this one is queued
+        behind it, so it runs before the thread reads any reply to the request. No need
+        to wait for it here: whatever arrives earlier is caught up from the metadata.
+        """
         self._async_result = async_result
-        registered = threading.Event()
 
         def register() -> None:
-            try:
-                for rank, future in zip(self._ranks, async_result._children):
-                    self._catch_up(rank, future)
-                    future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
-                    # the output future resolves on the rank's 'idle' status, after all its output;
-                    # ipyparallel may drop the message future before that status reaches callbacks
-                    future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
-            finally:
-                registered.set()
+            for rank, future in zip(self._ranks, async_result._children):
+                self._catch_up(rank, future)
+                future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
+                # the output future resolves on the rank's 'idle' status, after all its output;
+                # ipyparallel may drop the message future before that status reaches callbacks
+                future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
 
         self._client._io_loop.add_callback(register)
-        if not registered.wait(10):
-            raise DDPError("ipyparallel's IO thread did not respond within 10 s")
         async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
 
     def _catch_up(self, rank: int, future: Any) -> None:
@@ -661,47 +755,71 @@ class _CellRelay:
             payload, _ = deserialize_object(msg["buffers"])
             self._queue.put(("data", rank, payload))
 
-    def wait(self, sink: _OutputSink, timeout: float | None, interrupt: Callable[[], None]) -> str:
-        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'."""
+    def wait(
+        self,
+        sink: _OutputSink,
+        timeout: float | None,
+        interrupt: Callable[[], None],
+        find_dead: Callable[[], dict[int, str]],
+        report_stuck: Callable[[tuple[int, ...]], str] | None = None,
+    ) -> str:
+        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'.
+
+        Rank processes found dead are recorded in `self.dead`; the others then get a short
+        grace period, in which peers blocked in a collective with the dead rank fail.
+        """
         assembler = LineAssembler()
         began = time.monotonic()
         replied_at: float | None = None
-        stop_at: float | None = None  # set once we interrupted the ranks
+        stop_at: float | None = None  # set once we interrupted the ranks or one died
+        next_death_check = began + DEATH_CHECK_SECONDS
         outcome = "done"
         while True:
-            now = time.monotonic()
-            if replied_at is not None and (self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS):
-                break
-            if stop_at is not None and now > stop_at:
-                break
-            if timeout is not None and stop_at is None and now - began > timeout:
-                outcome = "timeout"
-                interrupt()
-                stop_at = now + INTERRUPT_GRACE_SECONDS
             try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
+                now = time.monotonic()
+                if replied_at is not None and (
+                    self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS
+                ):
+                    break
+                if stop_at is not None and now > stop_at:
+                    break
+                if self.dead and self._survivors_done():
+                    break
+                if timeout is not None and stop_at is None and now - began > timeout:
+                    outcome = "timeout"
+                    if report_stuck is not None:  # before the interrupt moves them
+                        self.stuck_report = report_stuck(self.unfinished())
+                    interrupt()
+                    stop_at = now + INTERRUPT_GRACE_SECONDS
+                if now > next_death_check and not self.dead:
+                    next_death_check = now + DEATH_CHECK_SECONDS
+                    self.dead = find_dead()
+                    if self.dead and stop_at is None:
+                        stop_at = now + DEATH_GRACE_SECONDS
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                replied_at = self._handle(item, sink, assembler, replied_at)
+                # drain whatever else is queued before writing, so output goes out in batches
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    replied_at = self._handle(item, sink, assembler, replied_at)
+                sink.flush()
             except KeyboardInterrupt:
-                if stop_at is None:
+                if stop_at is None or outcome != "interrupted":
                     outcome = "interrupted"
                     interrupt()
                     stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
                     continue
                 break  # a second interrupt: stop waiting now
-            replied_at = self._handle(item, sink, assembler, replied_at)
-            # drain whatever else is queued before writing, so output goes out in batches
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                replied_at = self._handle(item, sink, assembler, replied_at)
-            sink.flush()
         for rank, stream, line in assembler.flush_all():
             sink.write(rank, stream, [line])
         sink.flush()
-        if outcome == "done" and not self._async_result.ready():
+        if outcome == "done" and not self._async_result.ready() and not self.dead:
             outcome = "interrupted"
         return outcome
 
@@ -723,6 +841,10 @@ class _CellRelay:
         elif kind == "replied":
             return time.monotonic()
         return replied_at
+
+    def _survivors_done(self) -> bool:
+        children = zip(self._ranks, self._async_result._children)
+        return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
 
     def unfinished(self) -> tuple[int, ...]:
         ar = self._async_result
@@ -774,6 +896,22 @@ def _traceback_lines(error: Any) -> list[str]:
         except Exception:  # noqa: BLE001
             pass
     return [str(error)]
+
+
+def describe_exit(code: int) -> str:
+    """How a rank process ended, in words a user can act on."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": " (often the out-of-memory killer)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGABRT": " (aborted, e.g. by a failed check in native code)",
+        }.get(name, "")
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
 
 
 def _epoch_seconds(stamp: Any) -> float | None:
@@ -832,6 +970,18 @@ def _run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
     worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
     worker.start()
     worker.join(seconds)
+
+
+def _descendants(pids: list[int]) -> list[int]:
+    import psutil  # ipyparallel depends on it
+
+    found: list[int] = []
+    for pid in pids:
+        try:
+            found.extend(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return found
 
 
 def _controller_pid(cluster: Any) -> int | None:

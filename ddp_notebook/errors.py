@@ -78,6 +78,25 @@ def _failure_order(failure: RankFailure) -> tuple[float, int]:
     return (completed, failure.rank)
 
 
+class WorldBrokenError(DDPUsageError):
+    """A rank of this world died; the world must be restarted before it can run cells."""
+
+
+class RankDiedError(DDPError):
+    """A rank's process died while running a cell."""
+
+    def __init__(self, dead: dict[int, str], failures: list[RankFailure]) -> None:
+        self.dead = dict(dead)
+        self.failures = [f for f in failures if f.rank not in dead]
+        died = "; ".join(f"rank {rank} {how}" for rank, how in sorted(dead.items()))
+        super().__init__(f"{died}. Its state is lost; %ddp_restart (or restart()) starts a full world again")
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [str(self)]
+        lines.extend(f"rank {f.rank} then failed: {f.summary}" for f in self.failures)
+        return lines
+
+
 class CellTimeoutError(DDPError):
     """A cell ran past its time limit; the ranks were interrupted."""
 

@@ -137,6 +137,20 @@ class DDPMagics(Magics):
 
     @line_magic
     @_usage_errors
+    def ddp_restart(self, line: str = "") -> None:
+        """Stop the world (healthy or broken) and start a full one with the same settings.
+
+        The ranks are new processes: run the cells that build your model and data again.
+        """
+        if line.strip():
+            raise DDPUsageError(f"%ddp_restart takes no arguments, got '{line.strip()}'")
+        if self.world is None:
+            raise DDPUsageError("no DDP world to restart: start one with %ddp_start N (e.g. %ddp_start 2)")
+        self.world.restart()
+        print(format_start_summary(self.world))
+
+    @line_magic
+    @_usage_errors
     def ddp_metrics(self, line: str = "") -> Metrics:
         """What the ranks logged with ddp_notebook.log in the latest cell that logged: `m = %ddp_metrics`.
 

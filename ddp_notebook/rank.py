@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,17 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     )
     _state["context"] = context
     _publish_names(context)
-    return {"device": str(device), "device_name": _device_name(device), "backend": spec["backend"]}
+    if spec.get("stack_dir") and not _state.get("stack_dumps"):
+        from .health import enable_stack_dumps
+
+        enable_stack_dumps(spec["stack_dir"], rank)
+        _state["stack_dumps"] = True
+    return {
+        "device": str(device),
+        "device_name": _device_name(device),
+        "backend": spec["backend"],
+        "main_thread": threading.main_thread().ident,
+    }
 
 
 def _choose_device(backend: str) -> torch.device:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from ddp_notebook import DDPCluster
+from ddp_notebook._environment import OWNER_PID_ENV
 
 
 def pid_alive(pid: int) -> bool:
@@ -40,13 +41,24 @@ def wait_gone(pids: list[int], seconds: float = 15.0) -> list[int]:
     return alive
 
 
-def child_pids() -> set[int]:
-    """PIDs of this test process's children (the processes our tests may have started)."""
-    try:
-        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children", encoding="ascii") as handle:
-            return {int(p) for p in handle.read().split()}
-    except OSError:
-        return set()
+def owned_pids(owner: int | None = None) -> set[int]:
+    """Every live process started on behalf of `owner` (default: this test process).
+
+    The controller, the ranks and whatever they fork carry DDP_NOTEBOOK_OWNER_PID in their
+    environment, so this finds them even after they were re-parented.
+    """
+    marker = f"{OWNER_PID_ENV}={owner or os.getpid()}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if marker in handle.read().split(b"\0") and pid_alive(int(entry)):
+                    found.add(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +66,7 @@ def world() -> Iterator[DDPCluster]:
     """A 2-rank gloo world shared by tests that do not need their own."""
     cluster = DDPCluster(2, backend="gloo", timeout=60)
     cluster.start()
-    pids = cluster.pids
+    pids = cluster.all_pids
     try:
         yield cluster
     finally:
@@ -65,7 +77,7 @@ def world() -> Iterator[DDPCluster]:
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaves child processes behind."""
-    before = child_pids()
+    before = owned_pids()
     yield
-    leftover = wait_gone(sorted(child_pids() - before))
+    leftover = wait_gone(sorted(owned_pids() - before))
     assert leftover == [], f"processes left running: {leftover}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_notebook import config, devices
+from ddp_notebook import devices
 from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks, resolve
 from ddp_notebook.errors import DDPUsageError
 

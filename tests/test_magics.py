@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from IPython.core.error import UsageError
 from IPython import get_ipython
+from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
 from tests.conftest import wait_gone
@@ -40,6 +40,7 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --frobnicate", "unrecognized arguments"),
         ("%ddp_status", "no DDP world is running"),
         ("%ddp_stop now", "takes no arguments"),
+        ("%ddp_restart", "no DDP world to restart"),
     ],
 )
 def test_misuse_is_one_clear_line_and_starts_nothing(
@@ -82,7 +83,7 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
     assert "DDP world ready: 2 ranks, gloo" in out
     assert out.splitlines()[1].split() == ["rank", "host", "pid", "device", "backend"]
     world = shell.magics_manager.registry["DDPMagics"].world  # type: ignore[attr-defined]
-    pids = world.pids
+    pids = world.all_pids
     try:
         # same size again: nothing to do; another size: told to stop first
         assert run(shell, "%ddp_start 2").success  # type: ignore[attr-defined]
@@ -115,6 +116,18 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
         assert run(shell, "%ddp_status").success  # type: ignore[attr-defined]
         status = capsys.readouterr().out
         assert "healthy" in status and status.count(" idle ") == 2
+
+        # a rank dies: the cell says which and how, and %ddp_restart brings a full world back
+        died = run(shell, "%%ddp\nimport os\nif rank == 1:\n    os._exit(3)")
+        assert type(died.error_in_exec).__name__ == "RankDiedError"  # type: ignore[attr-defined]
+        assert "rank 1 exited with code 3" in "".join(capsys.readouterr())
+        broken = run(shell, "%%ddp\nx")
+        assert isinstance(broken.error_in_exec, UsageError) and "%ddp_restart" in str(broken.error_in_exec)  # type: ignore[attr-defined]
+        assert run(shell, "%ddp_restart").success  # type: ignore[attr-defined]
+        assert "DDP world ready: 2 ranks" in capsys.readouterr().out
+        pids += world.all_pids
+        assert run(shell, "%%ddp\nrank").success  # type: ignore[attr-defined]
+        assert "[rank 1] Out: 1" in capsys.readouterr().out
     finally:
         assert run(shell, "%ddp_stop").success  # type: ignore[attr-defined]
     assert "stopped the world of 2 ranks" in capsys.readouterr().out
@@ -124,7 +137,7 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
 def test_unload_stops_the_world(shell: object) -> None:
     ip = shell  # type: ignore[assignment]
     assert ip.run_cell("%ddp_start 1").success
-    pids = ip.magics_manager.registry["DDPMagics"].world.pids
+    pids = ip.magics_manager.registry["DDPMagics"].world.all_pids
     ip.run_line_magic("unload_ext", "ddp_notebook")
     assert "DDPMagics" not in ip.magics_manager.registry
     assert "ddp" not in ip.magics_manager.magics["cell"]

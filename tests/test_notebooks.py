@@ -52,7 +52,9 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         f"{path.name} is committed with outputs; clear them"
     )
     shutil.copy(path, tmp_path / path.name)
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert errors == []
     text = outputs_text(notebook)

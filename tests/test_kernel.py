@@ -1,0 +1,123 @@
+"""A world driven from a real Jupyter kernel (jupyter_client): interrupts and kernel death."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+from tests.conftest import owned_pids, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+class Kernel:
+    """A real ipykernel with helpers to run a cell and collect what it printed."""
+
+    def __init__(self) -> None:
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel()
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[str, str | None]:
+        """Run `code`; return (printed text, error name or None)."""
+        msg_id = self.client.execute(code)
+        began = time.monotonic()
+        interrupted = False
+        text: list[str] = []
+        error = None
+        while True:
+            if interrupt_after is not None and not interrupted and time.monotonic() - began > interrupt_after:
+                self.manager.interrupt_kernel()
+                interrupted = True
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.2)
+            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
+                if time.monotonic() - began > timeout:
+                    raise TimeoutError(f"cell did not finish within {timeout} s") from None
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                text.append(content["text"])
+            elif kind in ("execute_result", "display_data"):
+                text.append(content["data"].get("text/plain", "") + "\n")
+            elif kind == "error":
+                error = content["ename"]
+                text.append("\n".join(content["traceback"]) + "\n")
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(text), error
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel() -> Iterator[Kernel]:
+    started = Kernel()
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def kernel_world_pids(kernel: Kernel) -> list[int]:
+    out, error = kernel.run(
+        "import json\n"
+        "world = get_ipython().magics_manager.registry['DDPMagics'].world\n"
+        "print(json.dumps(world.all_pids))"
+    )
+    assert error is None, out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None:
+    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+    assert error is None, out
+    pids = kernel_world_pids(kernel)
+    kernel.run("%%ddp\nkept = rank + 40")
+    began = time.monotonic()
+    out, error = kernel.run(
+        "%%ddp\nimport time\nfor i in range(1000):\n    time.sleep(0.05)", interrupt_after=1.5, timeout=30
+    )
+    assert time.monotonic() - began < 1.5 + 5, "the kernel was not idle within 5 s of the interrupt"
+    assert error == "CellInterruptedError", out
+    assert "interrupted" in out
+    out, error = kernel.run("%%ddp\nkept + 2")
+    assert error is None, out
+    assert "[rank 0] Out: 42" in out and "[rank 1] Out: 43" in out
+    out, _ = kernel.run("%ddp_stop")
+    assert "stopped the world" in out
+    assert wait_gone(pids) == []
+
+
+def test_ranks_exit_when_the_kernel_is_killed(kernel: Kernel) -> None:
+    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+    assert error is None, out
+    pids = kernel_world_pids(kernel)
+    kernel_pid = kernel.manager.provisioner.process.pid
+    assert owned_pids(kernel_pid) >= set(pids)
+    os.kill(kernel_pid, signal.SIGKILL)
+    leftover = wait_gone(sorted(set(pids) | owned_pids(kernel_pid)), seconds=30)
+    for pid in leftover:  # fail loudly, but never leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert leftover == []
+
+
+def test_a_kernel_shut_down_without_ddp_stop_leaves_nothing(kernel: Kernel) -> None:
+    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+    assert error is None, out
+    pids = kernel_world_pids(kernel)
+    kernel_pid = kernel.manager.provisioner.process.pid
+    kernel.manager.shutdown_kernel(now=False)
+    assert wait_gone(sorted(set(pids) | owned_pids(kernel_pid)), seconds=30) == []
