@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
@@ -342,6 +343,10 @@ class Metrics:
         steps, values = self._series.get((name, rank), ([], []))
         return list(steps), list(values)
 
+    def view(self, name: str, rank: int) -> tuple[Sequence[float], Sequence[float]]:
+        """Like `series`, without copying: for readers that only look (the live view)."""
+        return self._series.get((name, rank), ((), ()))
+
     def keys(self) -> list[tuple[str, int]]:
         """(name, rank) of every series, in arrival order."""
         return list(self._series)
@@ -519,14 +524,17 @@ class Feed:
             self._draw(final=False, now=now)
 
     def _begin(self) -> None:
-        if self.previous is not None and self.previous.view is not None:
-            self.view = self.previous.view
-        elif self._make_view is not None:
-            self.view = self._make_view()
-        if self.view is not None:
-            self.view.show()
         if self._on_first is not None:
             self._on_first(self)
+        try:
+            if self.previous is not None and self.previous.view is not None:
+                self.view = self.previous.view
+            elif self._make_view is not None:
+                self.view = self._make_view()
+            if self.view is not None:
+                self.view.show()
+        except Exception as failure:  # noqa: BLE001
+            self._drop_view(failure)
 
     def _apply(self, rank: int, message: RankMessage) -> None:
         state = self.ranks.get(rank)
@@ -566,7 +574,20 @@ class Feed:
     def _draw(self, final: bool, now: float | None = None) -> None:
         self._last_draw = self._clock() if now is None else now
         if self.view is not None:
-            self.view.draw(self, final)
+            try:
+                self.view.draw(self, final)
+            except Exception as failure:  # noqa: BLE001
+                self._drop_view(failure)
+
+    def _drop_view(self, failure: Exception) -> None:
+        # a broken view must not break the cell it watches: the ranks run on, the data is kept
+        self.view = None
+        warnings.warn(
+            f"ddp_notebook: the live view failed ({type(failure).__name__}: {failure}); "
+            "the metrics are still kept (%ddp_metrics)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def finish(self, outcome: str | None = None) -> None:
         """The cell is over: ranks that never said how they ended get `outcome`; final redraw.

@@ -403,3 +403,31 @@ def test_data_published_before_the_relay_listened_is_caught_up(clock: Clock) -> 
     feed(rank, payload)
     assert (kind, rank) == ("data", 0)
     assert feed.metrics.series("loss", 0) == ([0], [1.0])
+
+
+def test_a_failing_view_is_dropped_and_the_data_kept(clock: Clock) -> None:
+    class BrokenView(CountingView):
+        def draw(self, feed: Feed, final: bool) -> None:
+            raise ValueError("cannot draw")
+
+    feed = Feed(BrokenView, clock=clock)
+    with pytest.warns(RuntimeWarning, match="live view failed.*cannot draw"):
+        for payload in rank_messages(clock, 10):
+            feed(0, payload)
+    assert feed.view is None and len(feed.metrics) == 12
+    feed.finish()
+
+
+def test_the_notebook_side_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ddp_notebook\n"
+        "from ddp_notebook import log, progress, Metrics, widgets\n"
+        "ddp_notebook.log(loss=1.0)\n"
+        "assert list(ddp_notebook.progress(range(2))) == [0, 1]\n"
+        "widgets.LiveView()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
