@@ -319,7 +319,7 @@ class LiveView:
         with self.figure.batch_update():
             for key in keys:
                 name, rank = key
-                steps, values = metrics.series(name, rank)
+                steps, values = metrics.view(name, rank)
                 shown = (len(steps), budget, weight)
                 if self._drawn.get(key) == shown:
                     continue
