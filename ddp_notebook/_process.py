@@ -56,6 +56,8 @@ def watch_owner() -> None:
 
 def _preload() -> None:
     try:
+        import torch._dynamo  # noqa: F401  (must come before the process group: see rank.release_group)
+
         import ddp_notebook.rank  # noqa: F401  (imports torch and torch.distributed)
     except Exception:  # noqa: BLE001
         # the same import runs again when the world is set up, and reports the error there

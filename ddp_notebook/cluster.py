@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -55,6 +56,14 @@ OUTPUT_DRAIN_SECONDS = 2.0
 DEATH_CHECK_SECONDS = 0.25
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
 DEATH_GRACE_SECONDS = 3.0
+# after a rank failed (or the ranks were interrupted), how long the others may keep running
+# before the finished ranks let go of the process group, releasing peers blocked in it
+RELEASE_AFTER_SECONDS = 1.0
+# errors that mean the process group itself is broken and must be set up again
+_COLLECTIVE_ERROR = re.compile(
+    r"gloo|nccl|Connection closed by peer|Connection reset|ProcessGroup|Timed out|timed out|DistBackendError|"
+    r"DistNetworkError|Default process group has not been initialized",
+)
 STOP_SECONDS = 10.0
 
 
@@ -148,6 +157,9 @@ class DDPCluster:
         self.recorder = channel.Recorder()
         # ranks whose process died, with how; a world with dead ranks must be restarted
         self.broken: dict[int, str] = {}
+        # healthy | healing | broken; `needs_heal` once a cell broke the process group
+        self.state = "stopped"
+        self.needs_heal = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -197,6 +209,7 @@ class DDPCluster:
                 raise
             raise StartError(f"could not start the world: {failure}") from failure
         self.start_seconds = time.perf_counter() - began
+        self.state = "healthy"
         return self
 
     def restart(self) -> DDPCluster:
@@ -401,6 +414,8 @@ class DDPCluster:
         self._ranks = {}
         self._views = {}
         self.broken = {}
+        self.state = "stopped"
+        self.needs_heal = False
         pids = self._started_pids(cluster)
         # the controller forks helpers (schedulers, hub); a rank may have DataLoader workers
         family = pids + _descendants(pids)
@@ -477,6 +492,8 @@ class DDPCluster:
         """
         client = self._require_running()
         targets = self._select(ranks)
+        if self.needs_heal:
+            self.heal()
         if on_data is None:
             on_data = self.recorder.feed(self._text_view if stream else None, ranks=targets)
         check_syntax(code)
@@ -496,24 +513,84 @@ class DDPCluster:
             interrupt=lambda: self._signal(targets, signal.SIGINT),
             find_dead=lambda: self._dead_ranks(targets),
             report_stuck=self.where_stuck,
+            release=self._release_group,
         )
         result.elapsed = time.perf_counter() - began
+        failures = relay.failures()
+        if relay.released or any(_COLLECTIVE_ERROR.search(f.summary) for f in failures):
+            self.needs_heal = True
+        heal_note = self._heal_after_cell(relay) if self.needs_heal and not relay.dead else ""
         for rank, bundle in relay.values().items():
             result.values[rank] = bundle
         if outcome == "interrupted":
             busy = relay.unfinished()
             detail = f"; still running: {', '.join(map(str, busy))}" if busy else ""
-            raise CellInterruptedError(f"cell interrupted on ranks {_rank_list(targets)}{detail}")
+            raise CellInterruptedError(f"cell interrupted on ranks {_rank_list(targets)}{detail}{heal_note}")
         if outcome == "timeout":
             assert timeout is not None
-            raise CellTimeoutError(timeout, relay.unfinished(), relay.stuck_report)
+            raise CellTimeoutError(timeout, relay.unfinished(), relay.stuck_report + heal_note)
         if relay.dead:
             self.broken = dict(relay.dead)
-            raise RankDiedError(relay.dead, relay.failures())
-        failures = relay.failures()
+            raise RankDiedError(relay.dead, failures)
         if failures:
-            raise RankError(failures, busy_ranks=relay.unfinished())
+            raise RankError(failures, busy_ranks=relay.unfinished(), note=heal_note.strip())
         return result
+
+    # ------------------------------------------------------------------ healing
+
+    def _release_group(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks` let go of the process group, so peers blocked in it with them fail."""
+        client = self._client
+        engine_ids = [self._ranks[r].engine_id for r in ranks]
+        try:
+            client[engine_ids].apply_async(_remote.call_rank, "release_group").get(timeout=10)
+        except Exception:
+            log.debug("releasing the process group on ranks %s failed", ranks, exc_info=True)
+
+    def _heal_after_cell(self, relay: _CellRelay) -> str:
+        busy = relay.unfinished()
+        if busy:
+            return (
+                f"\nranks {_rank_list(busy)} are still blocked in a collective; they fail at the collective "
+                f"timeout ({self.config.timeout:g} s), and the next cell then sets the process group up again "
+                "(or %ddp_restart now)"
+            )
+        seconds = self.heal()
+        return (
+            f"\nthe process group was set up again in {seconds:.1f} s (variables kept; "
+            "models from prepare_model were moved onto the new group)"
+        )
+
+    def heal(self) -> float:
+        """Set the process group up again on every rank, keeping the ranks' Python state.
+
+        Every rank leaves the old group; rank 0 opens a fresh rendezvous port; all join a new
+        default group; models wrapped by `prepare_model` are moved onto it. Returns seconds.
+        """
+        client = self._require_running()
+        began = time.perf_counter()
+        queues = client.queue_status()
+        busy = [info.rank for info in self.ranks if queues.get(info.engine_id, {}).get("queue", 0) > 0]
+        if busy:
+            raise DDPUsageError(
+                f"rank(s) {_rank_list(busy)} are still busy (blocked in a collective until the collective "
+                f"timeout of {self.config.timeout:g} s); wait for them, or %ddp_restart"
+            )
+        self.state = "healing"
+        all_engines = [info.engine_id for info in self.ranks]
+        try:
+            client[all_engines].apply_async(_remote.call_rank, "release_group").get(timeout=30)
+            engine_of_slot = {self._slot_of_rank[info.rank]: info.engine_id for info in self.ranks}
+            self._init_process_group(engine_of_slot, time.perf_counter() + self.config.start_timeout)
+        except DDPError:
+            self.state = "broken"
+            raise
+        except Exception as failure:  # noqa: BLE001  (any remote failure leaves the world broken)
+            self.state = "broken"
+            raise DDPError(f"could not set the process group up again: {_one_line(failure)}; %ddp_restart") from None
+        self.state = "healthy"
+        self.needs_heal = False
+        return time.perf_counter() - began
 
     def _text_view(self) -> channel.View:
         from .widgets import TextView
@@ -603,14 +680,14 @@ class DDPCluster:
 
     def status(self) -> list[RankStatus]:
         """State (idle/busy/gone), host, pid, device and memory of every rank."""
-        client = self._require_running()
+        client = self._require_running(allow_broken=True)
         queues = client.queue_status()
         gpu_memory = devices.gpu_memory_by_pid() if self.config.gpus else {}
         local_host = socket.gethostname()
         rows = []
         for info in self.ranks:
             entry = queues.get(info.engine_id)
-            if entry is None:
+            if entry is None or info.rank in self.broken:
                 state = "gone"
             else:
                 state = "busy" if entry.get("queue", 0) > 0 else "idle"
@@ -629,10 +706,10 @@ class DDPCluster:
 
     # ------------------------------------------------------------------ helpers
 
-    def _require_running(self) -> Any:
+    def _require_running(self, allow_broken: bool = False) -> Any:
         if self._client is None:
             raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
-        if self.broken:
+        if self.broken and not allow_broken:
             ranks = ", ".join(f"rank {r} {how}" for r, how in sorted(self.broken.items()))
             raise WorldBrokenError(
                 f"the world is broken ({ranks}): %ddp_restart (or restart()) starts a full world again"
@@ -708,6 +785,7 @@ class _CellRelay:
         self._idle: set[int] = set()
         self.dead: dict[int, str] = {}
         self.stuck_report = ""
+        self.released = False  # whether finished ranks let go of the process group
 
     def attach(self, async_result: Any) -> None:
         """Start relaying `async_result`'s messages; call right after sending the cell.
@@ -762,21 +840,36 @@ class _CellRelay:
         interrupt: Callable[[], None],
         find_dead: Callable[[], dict[int, str]],
         report_stuck: Callable[[tuple[int, ...]], str] | None = None,
+        release: Callable[[tuple[int, ...]], None] | None = None,
     ) -> str:
         """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'.
 
         Rank processes found dead are recorded in `self.dead`; the others then get a short
         grace period, in which peers blocked in a collective with the dead rank fail.
+        When some ranks finished (a rank raised, or the interrupt reached them) while others
+        still run, they may be blocked in a collective waiting for the finished ones, which
+        SIGINT cannot break: after a second, `release(finished ranks)` makes those let go of
+        the process group, so the blocked ones fail within a second too.
         """
         assembler = LineAssembler()
         began = time.monotonic()
         replied_at: float | None = None
         stop_at: float | None = None  # set once we interrupted the ranks or one died
+        release_at: float | None = None  # set once some ranks finished badly while others run
         next_death_check = began + DEATH_CHECK_SECONDS
         outcome = "done"
         while True:
             try:
                 now = time.monotonic()
+                if release is not None and not self.released:
+                    if release_at is None and self._some_failed():
+                        release_at = now + RELEASE_AFTER_SECONDS
+                    if release_at is not None and now > release_at:
+                        finished, running = self._finished(), self.unfinished()
+                        if finished and running:
+                            self.released = True
+                            release(finished)
+                            stop_at = max(stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
                 if replied_at is not None and (
                     self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS
                 ):
@@ -791,6 +884,7 @@ class _CellRelay:
                         self.stuck_report = report_stuck(self.unfinished())
                     interrupt()
                     stop_at = now + INTERRUPT_GRACE_SECONDS
+                    release_at = now + RELEASE_AFTER_SECONDS
                 if now > next_death_check and not self.dead:
                     next_death_check = now + DEATH_CHECK_SECONDS
                     self.dead = find_dead()
@@ -814,6 +908,7 @@ class _CellRelay:
                     outcome = "interrupted"
                     interrupt()
                     stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
+                    release_at = time.monotonic() + RELEASE_AFTER_SECONDS
                     continue
                 break  # a second interrupt: stop waiting now
         for rank, stream, line in assembler.flush_all():
@@ -845,6 +940,16 @@ class _CellRelay:
     def _survivors_done(self) -> bool:
         children = zip(self._ranks, self._async_result._children)
         return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
+
+    def _finished(self) -> tuple[int, ...]:
+        children = zip(self._ranks, self._async_result._children)
+        return tuple(rank for rank, future in children if future.done() and rank not in self.dead)
+
+    def _some_failed(self) -> bool:
+        for future in self._async_result._children:
+            if future.done() and future.output.metadata.get("status") == "error":
+                return True
+        return False
 
     def unfinished(self) -> tuple[int, ...]:
         ar = self._async_result

@@ -48,11 +48,12 @@ class RankError(DDPError):
     the root cause and one line for each other failing rank, not this module's frames.
     """
 
-    def __init__(self, failures: list[RankFailure], *, busy_ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, failures: list[RankFailure], *, busy_ranks: tuple[int, ...] = (), note: str = "") -> None:
         if not failures:
             raise ValueError("RankError needs at least one failure")
         self.failures = sorted(failures, key=_failure_order)
         self.busy_ranks = busy_ranks
+        self.note = note
         root = self.failures[0]
         super().__init__(f"rank {root.rank} raised {root.summary}")
 
@@ -69,6 +70,8 @@ class RankError(DDPError):
         if self.busy_ranks:
             ranks = ", ".join(str(r) for r in self.busy_ranks)
             lines.append(f"ranks still running when the cell ended: {ranks}")
+        if self.note:
+            lines.append(self.note)
         return lines
 
 

@@ -12,6 +12,7 @@ import os
 import socket
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ class RankContext:
 
 
 # Process state of this rank (not configuration): set by init_world, cleared by shutdown_world.
-_state: dict[str, Any] = {"context": None, "listener": None}
+_state: dict[str, Any] = {"context": None, "listener": None, "wrappers": weakref.WeakSet()}
 
 
 def open_rendezvous(host: str) -> int:
@@ -88,6 +89,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
 
     device = _choose_device(spec["backend"])
     timeout = datetime.timedelta(seconds=float(spec["timeout"]))
+    _import_dynamo_first()
     if dist.is_initialized():
         dist.destroy_process_group()
     store = _make_store(rank, world_size, spec["master_addr"], int(spec["master_port"]), timeout)
@@ -109,6 +111,9 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     )
     _state["context"] = context
     _publish_names(context)
+    # after a heal: models wrapped by prepare_model move onto the new group
+    for wrapper in list(_state["wrappers"]):
+        wrapper._update_process_group(dist.group.WORLD)
     if spec.get("stack_dir") and not _state.get("stack_dumps"):
         from .health import enable_stack_dumps
 
@@ -120,6 +125,44 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         "backend": spec["backend"],
         "main_thread": threading.main_thread().ident,
     }
+
+
+def _import_dynamo_first() -> None:
+    """Import torch._dynamo before any process group exists.
+
+    Imported later (DistributedDataParallel imports it), it keeps a reference to the
+    default group that outlives `destroy_process_group`, so the group's sockets stay open
+    and peers blocked in a collective are never released. Imported first, it holds none.
+    """
+    import torch._dynamo  # noqa: F401
+
+
+def release_group() -> None:
+    """Let go of the default process group so peers blocked in it fail at once.
+
+    Models from prepare_model first move onto a private one-rank placeholder group (they
+    hold the group too); `init_world` moves them onto the next real group.
+    """
+    wrappers = list(_state["wrappers"])
+    if wrappers:
+        placeholder = _placeholder_group()
+        for wrapper in wrappers:
+            wrapper._update_process_group(placeholder)
+    close_rendezvous()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    import gc
+
+    gc.collect()  # the group's sockets close when its last reference goes
+
+
+def _placeholder_group() -> dist.ProcessGroup:
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=30))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
 
 
 def _choose_device(backend: str) -> torch.device:
@@ -239,7 +282,9 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.paralle
     model = model.to(current.device)
     if current.device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [current.device.index or 0])
-    return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
+    return wrapper
 
 
 class EpochDataLoader(DataLoader):

@@ -45,8 +45,18 @@ def format_status(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
         ("rank", "state", "host", "pid", "device", "memory", "gpu memory"),
         [(s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _mb(s.gpu_memory_mb)) for s in rows],
     )
-    healthy = all(s.state != "gone" for s in rows)
-    return f"world of {world.world_size} ranks ({world.config.backend}): {'healthy' if healthy else 'broken'}\n{body}"
+    return f"world of {world.world_size} ranks ({world.config.backend}): {world_health(world, rows)}\n{body}"
+
+
+def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
+    """healthy, healing, or broken with what to do about it."""
+    gone = [s.rank for s in rows if s.state == "gone"]
+    if world.broken or gone:
+        dead = sorted(set(world.broken) | set(gone))
+        return f"broken (rank {', '.join(map(str, dead))} gone): %ddp_restart"
+    if world.needs_heal:
+        return "broken process group: the next cell sets it up again"
+    return world.state
 
 
 def format_values(result: CellResult) -> str:

@@ -6,8 +6,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-from ddp_notebook import CellTimeoutError, DDPCluster, RankDiedError, WorldBrokenError
+from ddp_notebook import CellTimeoutError, DDPCluster, RankDiedError, RankError, WorldBrokenError
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -63,3 +64,58 @@ def test_timeout_reports_where_each_rank_is(own_world: DDPCluster) -> None:
     report = str(caught.value)
     assert "rank 0: waiting in torch.distributed.all_reduce (at cell line 5)" in report
     assert "rank 1: running <module> (at cell line 4), never reached the collective" in report
+
+
+TRAIN = (
+    "for i in range(20):\n"
+    "    optimizer.zero_grad()\n"
+    "    model(torch.randn(8, 4)).sum().backward()\n"
+    "    optimizer.step()\n"
+    "    step += 1\n"
+    "    if rank == 1 and step == 25:\n"
+    "        raise ValueError('bad batch at step 25')\n"
+)
+
+
+def test_a_rank_raising_mid_training_releases_the_others_and_the_world_heals(own_world: DDPCluster) -> None:
+    world = own_world
+    world.execute(
+        "torch.manual_seed(rank)\n"
+        "model = ddp_notebook.prepare_model(torch.nn.Linear(4, 2))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "step = 0\n"
+    )
+    world.execute(TRAIN)
+    began = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        world.execute(TRAIN)  # rank 0 waits in backward's all-reduce for a rank that raised
+    assert time.monotonic() - began < 10
+    error = caught.value
+    assert error.root_cause.rank == 1 and error.root_cause.evalue == "bad batch at step 25"
+    assert [f.rank for f in error.failures] == [1, 0]  # rank 0 was released, not left hanging
+    assert "the process group was set up again" in error.note
+    assert world.state == "healthy"
+    # state kept on every rank, and training goes on in step on the new group
+    assert world.pull("step") == {0: 25, 1: 25}
+    world.execute(
+        "optimizer.zero_grad()\n"
+        "model(torch.randn(8, 4)).sum().backward()\n"
+        "optimizer.step()\n"
+        "weights = model.module.weight.detach().clone()\n"
+    )
+    weights = world.pull("weights")
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_a_hung_collective_times_out_and_heals(own_world: DDPCluster) -> None:
+    world = own_world
+    world.execute("x = torch.ones(1)\nkept = rank")
+    began = time.monotonic()
+    with pytest.raises(CellTimeoutError) as caught:
+        world.execute("import time\nif rank == 1:\n    time.sleep(600)\ndist.all_reduce(x)", timeout=2)
+    assert time.monotonic() - began < 2 + 8
+    assert "rank 0: waiting in torch.distributed.all_reduce" in str(caught.value)
+    assert "the process group was set up again" in str(caught.value)
+    world.execute("y = torch.ones(1) * (rank + 1)\ndist.all_reduce(y)")
+    assert {r: v.item() for r, v in world.pull("y").items()} == {0: 3.0, 1: 3.0}
+    assert world.pull("kept") == {0: 0, 1: 1}

@@ -96,6 +96,20 @@ def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None
     out, error = kernel.run("%%ddp\nkept + 2")
     assert error is None, out
     assert "[rank 0] Out: 42" in out and "[rank 1] Out: 43" in out
+
+    # rank 0 blocked inside a collective (which SIGINT cannot break) while rank 1 sleeps
+    began = time.monotonic()
+    out, error = kernel.run(
+        "%%ddp\nimport time\nx = torch.ones(1)\nif rank == 1:\n    time.sleep(600)\ndist.all_reduce(x)",
+        interrupt_after=1.5,
+        timeout=30,
+    )
+    assert time.monotonic() - began < 1.5 + 5, "the kernel was not idle within 5 s of the interrupt"
+    assert error == "CellInterruptedError", out
+    assert "the process group was set up again" in out
+    out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item())")
+    assert error is None, out
+    assert "[rank 0] Out: (40, 2.0)" in out and "[rank 1] Out: (41, 2.0)" in out
     out, _ = kernel.run("%ddp_stop")
     assert "stopped the world" in out
     assert wait_gone(pids) == []

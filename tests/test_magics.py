@@ -123,6 +123,9 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
         assert "rank 1 exited with code 3" in "".join(capsys.readouterr())
         broken = run(shell, "%%ddp\nx")
         assert isinstance(broken.error_in_exec, UsageError) and "%ddp_restart" in str(broken.error_in_exec)  # type: ignore[attr-defined]
+        assert run(shell, "%ddp_status").success  # type: ignore[attr-defined]
+        status = capsys.readouterr().out
+        assert "broken (rank 1 gone): %ddp_restart" in status and " gone " in status
         assert run(shell, "%ddp_restart").success  # type: ignore[attr-defined]
         assert "DDP world ready: 2 ranks" in capsys.readouterr().out
         pids += world.all_pids
