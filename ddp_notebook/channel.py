@@ -30,8 +30,6 @@ REDRAW_SECONDS = 0.1
 MESSAGE_KEY = "ddp_notebook"
 MESSAGE_VERSION = 1
 
-RANK_STATES = ("running", "done", "failed", "stopped")
-
 
 # ---------------------------------------------------------------- message shapes
 
@@ -269,8 +267,8 @@ def _connect() -> Channel:
     except ImportError:
         return Channel(publish=None)
     shell = get_ipython()
-    if shell is None or getattr(shell, "data_pub", None) is None:
-        # not an ipyparallel rank (e.g. a script under torchrun): count, send nothing
+    if not _in_rank(shell):
+        # not an ipyparallel rank (the notebook itself, a script under torchrun): send nothing
         return Channel(publish=None)
     from ipyparallel.datapub import publish_data
 
@@ -286,6 +284,15 @@ def _connect() -> Channel:
     shell.events.register("pre_run_cell", lambda *_: channel.begin_cell())
     shell.events.register("post_run_cell", ended)
     return channel
+
+
+def _in_rank(shell: Any) -> bool:
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return False
+    from ipyparallel.engine.kernel import IPythonParallelKernel
+
+    return isinstance(kernel, IPythonParallelKernel)
 
 
 def log(step: float | None = None, **metrics: Any) -> None:

@@ -431,3 +431,13 @@ def test_the_notebook_side_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_only_an_ipyparallel_rank_publishes() -> None:
+    from types import SimpleNamespace
+
+    from ddp_notebook.channel import _in_rank
+
+    assert not _in_rank(None)  # a script
+    assert not _in_rank(SimpleNamespace())  # terminal IPython
+    assert not _in_rank(SimpleNamespace(kernel=object()))  # the notebook's own kernel
