@@ -23,6 +23,8 @@ from .channel import BarState, Feed, RankState, View
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its
 # last one), so each redraw stays small; the final drawing has every point
 LIVE_POINTS = 2000
+# the curves, the costliest part to redraw, at most this often (the bars at the Feed's pace)
+CURVE_SECONDS = 0.25
 TEXT_INTERVAL_SECONDS = 2.0
 STATE_COLORS = {"running": "#1f77b4", "done": "#2ca02c", "failed": "#d62728", "stopped": "#ff7f0e"}
 
@@ -235,10 +237,18 @@ class _BarRow:
 class LiveView:
     """Bars, one FigureWidget for every rank's curves, and a status table, in one VBox."""
 
-    def __init__(self, live_budget: int = LIVE_POINTS) -> None:
+    def __init__(
+        self,
+        live_budget: int = LIVE_POINTS,
+        curve_seconds: float = CURVE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         import ipywidgets as widgets
         import plotly.graph_objects as go
 
+        self._curve_seconds = curve_seconds
+        self._clock = clock
+        self._curves_drawn = -math.inf
         self._widgets = widgets
         self._live_budget = live_budget
         self.header = widgets.HTML()
@@ -278,7 +288,10 @@ class LiveView:
         self._feed, self._final = feed, final
         self._draw_header(feed, final)
         self._draw_bars(feed)
-        self._draw_curves(feed, final)
+        now = self._clock()
+        if final or now - self._curves_drawn >= self._curve_seconds:
+            self._curves_drawn = now
+            self._draw_curves(feed, final)
         self.status.value = status_table(feed)
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
@@ -333,7 +346,9 @@ class LiveView:
                 index = self._trace_index(key, names.index(name))
                 trace = self.figure.data[index]
                 trace.x, trace.y = _array(xs), _array(ys)
-                trace.mode = "lines+markers" if len(xs) <= 50 else "lines"
+                mode = "lines+markers" if len(xs) <= 50 else "lines"
+                if trace.mode != mode:  # every assignment is a message to the browser
+                    trace.mode = mode
 
     def _lay_out(self, names: Sequence[str]) -> None:
         layout = axes_layout(names)

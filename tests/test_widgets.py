@@ -135,7 +135,7 @@ def test_figure_updates_travel_as_binary_and_new_axes_are_valid(comms: list[Reco
 
 def test_while_running_long_curves_are_thinned_and_the_end_has_every_point(comms: list[RecordingComm]) -> None:
     clock = Clock()
-    view = LiveView(live_budget=50)
+    view = LiveView(live_budget=50, clock=clock)
     feed = Feed(lambda: view, clock=clock)
     channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
     for step in range(1000):
@@ -261,3 +261,23 @@ def test_progress_line_shows_the_slowest_rank_and_mean_values() -> None:
     feed.finish("stopped")
     assert summary_lines(feed)[0].startswith("[progress] stopped after")
     assert summary_lines(feed)[2].startswith("[progress] rank 1: stopped")
+
+
+def test_curves_redraw_at_most_four_times_a_second_and_bars_ten(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView(clock=clock)
+    feed = Feed(lambda: view, clock=clock)
+    channel = Channel(publish=lambda payload: feed(0, payload), clock=clock)
+    bar = channel.open_bar("steps", 10_000)
+    for step in range(5000):  # 5 s of steps
+        channel.step_bar(bar)
+        channel.log(None, {"loss": float(step)})
+        clock.advance(0.001)
+    figure = next(c for c in comms if c.comm_id == view.figure.comm.comm_id)
+    curve_updates = [
+        d for _, kind, d, _ in figure.sent if kind == "comm_msg" and d.get("state", {}).get("_py2js_update")
+    ]
+    progress = next(c for c in comms if c.comm_id == view._rows[(0, 0)].bar.comm.comm_id)
+    bar_updates = [d for _, kind, d, _ in progress.sent if kind == "comm_msg" and "value" in d.get("state", {})]
+    assert 15 <= len(curve_updates) <= 5 / 0.25 + 2
+    assert 40 <= len(bar_updates) <= 5 / 0.1 + 2
