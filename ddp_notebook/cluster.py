@@ -160,6 +160,7 @@ class DDPCluster:
         # healthy | healing | broken; `needs_heal` once a cell broke the process group
         self.state = "stopped"
         self.needs_heal = False
+        self.last_heal_seconds: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -355,21 +356,37 @@ class DDPCluster:
                 main_thread=info.get("main_thread"),
             )
 
-    def _launchers(self, slot: int) -> list[Any]:
-        engine_set = self._cluster.engines.get(_engine_set_id(slot)) if self._cluster is not None else None
-        return list(getattr(engine_set, "launchers", {}).values()) if engine_set is not None else []
+    def _exit_code(self, slot: int) -> tuple[int | None, str] | None:
+        """(exit code or None if unknown, log file) of a rank process that has exited; None while it runs."""
+        import psutil  # ipyparallel depends on it
 
-    def _exit_code(self, slot: int) -> tuple[int, str] | None:
-        """(exit code, log file) of a rank process that has exited; None while it runs."""
-        for launcher in self._launchers(slot):
+        engine_set = self._cluster.engines.get(_engine_set_id(slot)) if self._cluster is not None else None
+        if engine_set is None:
+            return None
+        recorded = _recorded_exit(engine_set)
+        if recorded is not None:
+            return recorded, ""
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            log_file = getattr(launcher, "output_file", "")
             process = getattr(launcher, "process", None)
             if process is None:
                 continue
             try:
-                code = process.wait(timeout=0)
-            except Exception:  # noqa: BLE001  (still running: psutil.TimeoutExpired)
-                continue
-            return (code if code is not None else 0), getattr(launcher, "output_file", "")
+                return process.wait(timeout=0), log_file
+            except psutil.TimeoutExpired:
+                continue  # still running
+            except psutil.Error:  # reaped by the launcher's wait thread in the meantime
+                return None, log_file
+        info = self._ranks.get(slot)
+        if info is not None and info.host == socket.gethostname() and not _pid_alive(info.pid):
+            # gone, but its launcher has not recorded how yet: give it a moment to
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                recorded = _recorded_exit(engine_set)
+                if recorded is not None:
+                    return recorded, ""
+                time.sleep(0.02)
+            return None, ""
         return None
 
     def _exited_slots(self) -> list[tuple[int, str]]:
@@ -590,7 +607,8 @@ class DDPCluster:
             raise DDPError(f"could not set the process group up again: {_one_line(failure)}; %ddp_restart") from None
         self.state = "healthy"
         self.needs_heal = False
-        return time.perf_counter() - began
+        self.last_heal_seconds = time.perf_counter() - began
+        return self.last_heal_seconds
 
     def _text_view(self) -> channel.View:
         from .widgets import TextView
@@ -1003,8 +1021,19 @@ def _traceback_lines(error: Any) -> list[str]:
     return [str(error)]
 
 
-def describe_exit(code: int) -> str:
+def _recorded_exit(engine_set: Any) -> int | None:
+    """The exit code ipyparallel's launcher recorded for a stopped engine, if it did."""
+    stop_data = getattr(engine_set, "stop_data", None) or {}
+    for engine in (stop_data.get("engines") or {}).values():
+        if isinstance(engine, dict) and engine.get("exit_code") is not None:
+            return int(engine["exit_code"])
+    return None
+
+
+def describe_exit(code: int | None) -> str:
     """How a rank process ended, in words a user can act on."""
+    if code is None:
+        return "exited"
     if code < 0:
         try:
             name = signal.Signals(-code).name

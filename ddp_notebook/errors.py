@@ -70,6 +70,8 @@ class RankError(DDPError):
         if self.busy_ranks:
             ranks = ", ".join(str(r) for r in self.busy_ranks)
             lines.append(f"ranks still running when the cell ended: {ranks}")
+        if root.ename == "SystemExit":
+            lines.append("(sys.exit() ends the cell, not the rank: the world keeps running; %ddp_stop ends it)")
         if self.note:
             lines.append(self.note)
         return lines

@@ -115,6 +115,28 @@ def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None
     assert wait_gone(pids) == []
 
 
+def test_a_dead_rank_is_named_and_restart_works_in_a_kernel(kernel: Kernel) -> None:
+    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+    assert error is None, out
+    old = kernel_world_pids(kernel)
+    began = time.monotonic()
+    out, error = kernel.run(
+        "%%ddp\nimport os, time\nx = torch.ones(1)\nif rank == 1:\n    os._exit(9)\ndist.all_reduce(x)"
+    )
+    assert time.monotonic() - began < 10
+    assert error == "RankDiedError", out
+    assert "rank 1 exited with code 9" in out
+    out, error = kernel.run("%ddp_status")
+    assert "broken (rank 1 gone): %ddp_restart" in out
+    out, error = kernel.run("%ddp_restart")
+    assert error is None and "DDP world ready: 2 ranks" in out, out
+    out, error = kernel.run("%%ddp\nrank * 3")
+    assert error is None and "[rank 1] Out: 3" in out, out
+    new = kernel_world_pids(kernel)
+    kernel.run("%ddp_stop")
+    assert wait_gone(sorted(set(old) | set(new))) == []
+
+
 def test_ranks_exit_when_the_kernel_is_killed(kernel: Kernel) -> None:
     out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
     assert error is None, out
