@@ -19,6 +19,7 @@ import time
 from ddp_notebook._environment import OWNER_PID_ENV, PRELOAD_ENV
 
 OWNER_POLL_SECONDS = 1.0
+CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
 
 
 def _owner_alive(owner_pid: int, parent_pid: int) -> bool:
@@ -47,11 +48,25 @@ def watch_owner() -> None:
         # no clean shutdown is possible: the peers and the controller are going away too.
         # The launcher made this process the leader of its own process group; the group
         # holds the helpers it forked (the controller's schedulers), which must go too.
+        _remove_connection_files()
         if os.getpgid(0) == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(3)
 
     threading.Thread(target=watch, name="ddp-owner-watch", daemon=True).start()
+
+
+def _remove_connection_files() -> None:
+    """Delete this cluster's connection files (holding its key), as a clean stop would."""
+    cluster_id, profile_dir = os.environ.get("IPP_CLUSTER_ID"), os.environ.get("IPP_PROFILE_DIR")
+    if not cluster_id or not profile_dir or not os.environ.get(CONTROLLER_ENV):
+        return
+    security = os.path.join(profile_dir, "security")
+    for name in (f"ipcontroller-{cluster_id}-client.json", f"ipcontroller-{cluster_id}-engine.json"):
+        try:
+            os.unlink(os.path.join(security, name))
+        except OSError:
+            pass
 
 
 def _preload() -> None:
@@ -74,6 +89,7 @@ def engine_main() -> None:
 
 
 def controller_main() -> None:
+    os.environ[CONTROLLER_ENV] = "1"  # only the controller removes connection files
     watch_owner()
     from ipyparallel.controller.app import main
 

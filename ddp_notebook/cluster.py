@@ -236,6 +236,8 @@ class DDPCluster:
         self._cluster = ipp.Cluster(
             n=0,
             delay=0,
+            # no cluster file: nothing here reconnects to a world from another process
+            cluster_file="",
             # start the ranks together with the controller, not after it: their imports
             # (ipyparallel, then torch) overlap the controller's start-up; they wait for its
             # connection file in the (user-private) profile security directory

@@ -52,7 +52,7 @@ OWNER_SCRIPT = """
 import json, sys, time
 from ddp_notebook import DDPCluster
 world = DDPCluster(2, backend="gloo").start()
-print(json.dumps(world.all_pids), flush=True)
+print(json.dumps([world.all_pids, world._cluster.profile_dir, world._cluster.cluster_id]), flush=True)
 time.sleep(600)
 """
 
@@ -66,7 +66,7 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
     try:
         assert owner.stdout is not None
         line = owner.stdout.readline()
-        pids = json.loads(line)
+        pids, profile_dir, cluster_id = json.loads(line)
         assert len(pids) > 3 and all(pid_alive(p) for p in pids)  # controller helpers included
     finally:
         owner.send_signal(signal.SIGKILL)  # no atexit, no clean-up: only the rank-side watch can help
@@ -76,3 +76,21 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
         for pid in leftover:
             os.kill(pid, signal.SIGKILL)
     assert leftover == []
+    # its connection files (which hold the cluster's key) went with it
+    assert [p.name for p in (Path(profile_dir) / "security").iterdir() if cluster_id in p.name] == []
+
+
+def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
+    world = DDPCluster(1, backend="gloo").start()
+    try:
+        security = Path(world._cluster.profile_dir) / "security"
+        cluster_id = world._cluster.cluster_id
+        files = [p for p in security.iterdir() if cluster_id in p.name]
+        assert any(p.name.endswith("-client.json") for p in files)  # holds the message-signing key
+        assert all(p.stat().st_mode & 0o077 == 0 for p in files), [oct(p.stat().st_mode) for p in files]
+        private = Path(world._private_dir)
+        assert private.stat().st_mode & 0o077 == 0
+    finally:
+        world.stop()
+    assert [p for p in security.iterdir() if cluster_id in p.name] == []
+    assert not private.exists()
