@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import leak_report, process_tree
+
 BENCH_DIR = Path(__file__).resolve().parent
 GOAL_LOG_US = 10.0
 GOAL_RATIO = 0.98
@@ -193,7 +195,11 @@ def main() -> None:
     # as %ddp_start does in a notebook: plotly's first import (over a second) is not timed
     from plotly.graph_objs import FigureWidget  # noqa: F401
 
-    with DDPCluster(args.ranks, backend="gloo") as world:
+    world = DDPCluster(args.ranks, backend="gloo")
+    recorded: list[int] = []
+    try:
+        world.start()
+        recorded += process_tree(world.pids)
         world.push({"BENCH_DIR": str(BENCH_DIR)})
         world.execute(IMPORT_CELL)
 
@@ -204,7 +210,7 @@ def main() -> None:
         log_ns = max(cost["log_ns"] for cost in costs.values())
         results["per_call_ns"] = per_rank
         print("\nper call, on the ranks (ns; the batches sent every 0.1 s included)")
-        print("rank   log(loss=x)   log(3 metrics)   progress() step   one batch of 20 points (its CPU)")
+        print("rank   log(loss=x)   log(3 metrics)   progress() step   one batch of 20 points (main-thread CPU)")
         for rank, cost in sorted(per_rank.items()):
             print(
                 f"{rank:<4} {cost['log_ns']:>13.0f} {cost['log3_ns']:>16.0f} {cost['progress_ns']:>17.0f} "
@@ -228,6 +234,8 @@ def main() -> None:
             points = len(consumer.feed.metrics)
             assert points == args.ranks * args.pairs * args.block, f"lost points: {points}"
             notebook.append((consumer.seconds, consumer.messages, elapsed))
+    finally:
+        world.stop()
 
     plain = len(blocks["without"]) * args.block / sum(blocks["without"])
     logged = len(blocks["with"]) * args.block / sum(blocks["with"])
@@ -287,11 +295,13 @@ def main() -> None:
         "notebook_messages_per_s": rate,
         "notebook_core_fraction": spent,
     }
+    alive, line = leak_report(recorded)
+    print(line)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf8")
         print(f"\nwrote {args.json}")
-    sys.exit(0)
+    sys.exit(1 if alive else 0)
 
 
 if __name__ == "__main__":
