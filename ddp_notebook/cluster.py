@@ -8,24 +8,21 @@ streamed back live. The magics are a thin layer over this class.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import pickle
-import queue
 import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _remote, channel, config, devices, health
+from . import _remote, channel, config, devices, health, processes
 from ._environment import OWNER_PID_ENV, SLOT_ENV
 from .cells import check_syntax
 from .errors import (
@@ -36,11 +33,11 @@ from .errors import (
     NotRunningError,
     RankDiedError,
     RankError,
-    RankFailure,
     StartError,
     WorldBrokenError,
+    one_line,
 )
-from .output import LineAssembler, tag_lines
+from .relay import CellRelay, OutputSink
 
 log = logging.getLogger("ddp_notebook")
 
@@ -48,17 +45,6 @@ log = logging.getLogger("ddp_notebook")
 HEARTBEAT_PERIOD_MS = 200
 # how long a busy rank may miss heartbeats before the controller drops it (10 s)
 HEARTBEAT_MISSES = 50
-# after an interrupt or timeout, how long the ranks get to stop before we give up waiting
-INTERRUPT_GRACE_SECONDS = 5.0
-# after every rank replied, how long to wait for the tail of its output
-OUTPUT_DRAIN_SECONDS = 2.0
-# how often a running cell checks that its ranks' processes are alive
-DEATH_CHECK_SECONDS = 0.25
-# after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
-DEATH_GRACE_SECONDS = 3.0
-# after a rank failed (or the ranks were interrupted), how long the others may keep running
-# before the finished ranks let go of the process group, releasing peers blocked in it
-RELEASE_AFTER_SECONDS = 1.0
 # errors that mean the process group itself is broken and must be set up again
 _COLLECTIVE_ERROR = re.compile(
     r"gloo|nccl|Connection closed by peer|Connection reset|ProcessGroup|Timed out|timed out|DistBackendError|"
@@ -324,7 +310,7 @@ class DDPCluster:
                 .get(timeout=max(1.0, deadline - time.perf_counter()))
             )
         except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
-            raise StartError(f"rank 0 could not set up torch.distributed: {_one_line(failure)}") from None
+            raise StartError(f"rank 0 could not set up torch.distributed: {one_line(failure)}") from None
         pending = {}
         for slot, engine_id in engine_of_slot.items():
             spec = {
@@ -345,7 +331,7 @@ class DDPCluster:
             try:
                 info = result.get(timeout=max(1.0, deadline - time.perf_counter()))
             except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
-                raise StartError(f"rank {slot} could not set up torch.distributed: {_one_line(failure)}") from None
+                raise StartError(f"rank {slot} could not set up torch.distributed: {one_line(failure)}") from None
             host, pid = self._identities[slot]
             self._ranks[slot] = RankInfo(
                 rank=slot,
@@ -365,7 +351,7 @@ class DDPCluster:
         engine_set = self._cluster.engines.get(_engine_set_id(slot)) if self._cluster is not None else None
         if engine_set is None:
             return None
-        recorded = _recorded_exit(engine_set)
+        recorded = processes.recorded_exit(engine_set)
         if recorded is not None:
             return recorded, ""
         for launcher in getattr(engine_set, "launchers", {}).values():
@@ -380,11 +366,11 @@ class DDPCluster:
             except psutil.Error:  # reaped by the launcher's wait thread in the meantime
                 return None, log_file
         info = self._ranks.get(slot)
-        if info is not None and info.host == socket.gethostname() and not _pid_alive(info.pid):
+        if info is not None and info.host == socket.gethostname() and not processes.pid_alive(info.pid):
             # gone, but its launcher has not recorded how yet: give it a moment to
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:
-                recorded = _recorded_exit(engine_set)
+                recorded = processes.recorded_exit(engine_set)
                 if recorded is not None:
                     return recorded, ""
                 time.sleep(0.02)
@@ -397,8 +383,8 @@ class DDPCluster:
             found = self._exit_code(slot)
             if found is not None:
                 code, log_file = found
-                tail = _log_tail(log_file)
-                exited.append((slot, f" ({describe_exit(code)}){': ' + tail if tail else ''}"))
+                tail = processes.log_tail(log_file)
+                exited.append((slot, f" ({processes.describe_exit(code)}){': ' + tail if tail else ''}"))
         return exited
 
     def _dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
@@ -407,7 +393,7 @@ class DDPCluster:
         for rank in ranks:
             found = self._exit_code(self._slot_of_rank[rank])
             if found is not None:
-                dead[rank] = describe_exit(found[0])
+                dead[rank] = processes.describe_exit(found[0])
         return dead
 
     def _leave_process_group(self) -> None:
@@ -437,12 +423,14 @@ class DDPCluster:
         self.needs_heal = False
         pids = self._started_pids(cluster)
         # the controller forks helpers (schedulers, hub); a rank may have DataLoader workers
-        family = pids + _descendants(pids)
+        family = pids + processes.descendants(pids)
         if client is not None:
             try:
                 # ask the ranks to exit cleanly first; stragglers get SIGTERM, then SIGKILL
                 client.shutdown(targets="all", block=False)
-                _wait_gone([info_pid for info_pid in pids if info_pid != _controller_pid(cluster)], 3.0)
+                processes.wait_gone(
+                    [info_pid for info_pid in pids if info_pid != processes.controller_pid(cluster)], 3.0
+                )
             except Exception:
                 log.debug("asking the ranks to shut down failed", exc_info=True)
             try:
@@ -451,10 +439,10 @@ class DDPCluster:
                 log.debug("closing the client failed", exc_info=True)
         if cluster is not None:
             try:
-                _run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
+                processes.run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
-            _kill_survivors(family)
+            processes.kill_survivors(family)
             try:
                 cluster.remove_cluster_file()
             except Exception:  # noqa: BLE001
@@ -484,7 +472,7 @@ class DDPCluster:
     def all_pids(self) -> list[int]:
         """`pids` and every process they started (all of it ends with `stop()`)."""
         pids = self.pids
-        return pids + _descendants(pids)
+        return pids + processes.descendants(pids)
 
     # ------------------------------------------------------------------ running cells
 
@@ -521,11 +509,11 @@ class DDPCluster:
             config._check_seconds("cell timeout", timeout)
         engine_ids = [self._ranks[r].engine_id for r in targets]
         began = time.perf_counter()
-        relay = _CellRelay(client, targets)
+        relay = CellRelay(client, targets)
         result = CellResult(ranks=targets)
         async_result = self._view(tuple(engine_ids)).execute(code, silent=False, block=False)
         relay.attach(async_result)
-        sink = _OutputSink(self._stdout, self._stderr, result if not stream else None, on_data)
+        sink = OutputSink(self._stdout, self._stderr, result if not stream else None, on_data)
         outcome = relay.wait(
             sink,
             timeout,
@@ -566,7 +554,7 @@ class DDPCluster:
         except Exception:
             log.debug("releasing the process group on ranks %s failed", ranks, exc_info=True)
 
-    def _heal_after_cell(self, relay: _CellRelay) -> str:
+    def _heal_after_cell(self, relay: CellRelay) -> str:
         busy = relay.unfinished()
         if busy:
             return (
@@ -606,7 +594,7 @@ class DDPCluster:
             raise
         except Exception as failure:  # noqa: BLE001  (any remote failure leaves the world broken)
             self.state = "broken"
-            raise DDPError(f"could not set the process group up again: {_one_line(failure)}; %ddp_restart") from None
+            raise DDPError(f"could not set the process group up again: {one_line(failure)}; %ddp_restart") from None
         self.state = "healthy"
         self.needs_heal = False
         self.last_heal_seconds = time.perf_counter() - began
@@ -669,7 +657,7 @@ class DDPCluster:
                 pickle.dumps(value)
             except Exception as failure:  # noqa: BLE001
                 raise DDPUsageError(
-                    f"cannot push '{name}': {type(value).__name__} cannot be pickled ({_one_line(failure)}); "
+                    f"cannot push '{name}': {type(value).__name__} cannot be pickled ({one_line(failure)}); "
                     "send what it is built from and build it on the ranks instead"
                 ) from None
         client[[self._ranks[r].engine_id for r in targets]].push(dict(namespace), block=True)
@@ -687,7 +675,7 @@ class DDPCluster:
             try:
                 reply = result.get(timeout=60)
             except Exception as failure:  # noqa: BLE001
-                raise DDPError(f"could not pull '{name}' from rank {rank}: {_one_line(failure)}") from None
+                raise DDPError(f"could not pull '{name}' from rank {rank}: {one_line(failure)}") from None
             if reply["missing"]:
                 missing.append(rank)
             else:
@@ -751,419 +739,9 @@ class DDPCluster:
         return chosen
 
 
-class _OutputSink:
-    """Where a cell's output goes: tagged lines to stdout/stderr, or into the result."""
-
-    def __init__(
-        self,
-        stdout: TextIO | None,
-        stderr: TextIO | None,
-        collect: CellResult | None,
-        on_data: Callable[[int, dict[str, Any]], None] | None = None,
-    ) -> None:
-        self._stdout = stdout
-        self._stderr = stderr
-        self._collect = collect
-        self._on_data = on_data
-
-    def data(self, rank: int, payload: dict[str, Any]) -> None:
-        if self._on_data is not None:
-            self._on_data(rank, payload)
-
-    def write(self, rank: int, stream: str, lines: list[str]) -> None:
-        if not lines:
-            return
-        if self._collect is not None:
-            store = self._collect.stderr if stream == "stderr" else self._collect.stdout
-            store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
-            return
-        # looked up at write time: IPython swaps sys.stdout per cell
-        target = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
-        target.write(tag_lines(rank, lines))
-
-    def flush(self) -> None:
-        for target in (self._stdout or sys.stdout, self._stderr or sys.stderr):
-            try:
-                target.flush()
-            except Exception:  # noqa: BLE001
-                pass
-
-
-class _CellRelay:
-    """Carries one cell's messages from ipyparallel's IO thread to the waiting thread.
-
-    Registration happens on the IO thread itself, so each message is seen exactly once:
-    either it was already folded into ipyparallel's metadata (caught up at registration)
-    or it reaches our callback afterwards.
-    """
-
-    def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
-        self._client = client
-        self._ranks = ranks
-        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._async_result: Any = None
-        self._idle: set[int] = set()
-        self.dead: dict[int, str] = {}
-        self.stuck_report = ""
-        self.released = False  # whether finished ranks let go of the process group
-
-    def attach(self, async_result: Any) -> None:
-        """Start relaying `async_result`'s messages; call right after sending the cell.
-
-        The request itself was handed to the IO thread as a callback; this one is queued
-        behind it, so it runs before the thread reads any reply to the request. No need
-        to wait for it here: whatever arrives earlier is caught up from the metadata.
-        """
-        self._async_result = async_result
-
-        def register() -> None:
-            for rank, future in zip(self._ranks, async_result._children):
-                self._catch_up(rank, future)
-                future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
-                # the output future resolves on the rank's 'idle' status, after all its output;
-                # ipyparallel may drop the message future before that status reaches callbacks
-                future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
-
-        self._client._io_loop.add_callback(register)
-        async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
-
-    def _catch_up(self, rank: int, future: Any) -> None:
-        metadata = future.output.metadata
-        for stream in ("stdout", "stderr"):
-            if metadata[stream]:
-                self._queue.put(("stream", rank, stream, metadata[stream]))
-        for output in metadata["outputs"]:
-            self._queue.put(("display", rank, output))
-        if metadata.get("data"):
-            # published before we listened (ipyparallel keeps only the merge of such messages;
-            # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
-            self._queue.put(("data", rank, dict(metadata["data"])))
-
-    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
-        kind = msg["header"]["msg_type"]
-        content = msg["content"]
-        if kind == "stream":
-            self._queue.put(("stream", rank, content["name"], content["text"]))
-        elif kind == "display_data":
-            self._queue.put(("display", rank, content))
-        elif kind == "data_message":
-            # what a rank published with ipyparallel's publish_data: plain data, signed message
-            from ipyparallel.serialize import deserialize_object
-
-            payload, _ = deserialize_object(msg["buffers"])
-            self._queue.put(("data", rank, payload))
-
-    def wait(
-        self,
-        sink: _OutputSink,
-        timeout: float | None,
-        interrupt: Callable[[], None],
-        find_dead: Callable[[], dict[int, str]],
-        report_stuck: Callable[[tuple[int, ...]], str] | None = None,
-        release: Callable[[tuple[int, ...]], None] | None = None,
-    ) -> str:
-        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'.
-
-        Rank processes found dead are recorded in `self.dead`; the others then get a short
-        grace period, in which peers blocked in a collective with the dead rank fail.
-        When some ranks finished (a rank raised, or the interrupt reached them) while others
-        still run, they may be blocked in a collective waiting for the finished ones, which
-        SIGINT cannot break: after a second, `release(finished ranks)` makes those let go of
-        the process group, so the blocked ones fail within a second too.
-        """
-        assembler = LineAssembler()
-        began = time.monotonic()
-        replied_at: float | None = None
-        stop_at: float | None = None  # set once we interrupted the ranks or one died
-        release_at: float | None = None  # set once some ranks finished badly while others run
-        next_death_check = began + DEATH_CHECK_SECONDS
-        outcome = "done"
-        while True:
-            try:
-                now = time.monotonic()
-                if release is not None and not self.released:
-                    if release_at is None and self._some_failed():
-                        release_at = now + RELEASE_AFTER_SECONDS
-                    if release_at is not None and now > release_at:
-                        finished, running = self._finished(), self.unfinished()
-                        if finished and running:
-                            self.released = True
-                            release(finished)
-                            stop_at = max(stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
-                if replied_at is not None and (
-                    self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS
-                ):
-                    break
-                if stop_at is not None and now > stop_at:
-                    break
-                if self.dead and self._survivors_done():
-                    break
-                if timeout is not None and stop_at is None and now - began > timeout:
-                    outcome = "timeout"
-                    if report_stuck is not None:  # before the interrupt moves them
-                        self.stuck_report = report_stuck(self.unfinished())
-                    interrupt()
-                    stop_at = now + INTERRUPT_GRACE_SECONDS
-                    release_at = now + RELEASE_AFTER_SECONDS
-                if now > next_death_check and not self.dead:
-                    next_death_check = now + DEATH_CHECK_SECONDS
-                    self.dead = find_dead()
-                    if self.dead and stop_at is None:
-                        stop_at = now + DEATH_GRACE_SECONDS
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                replied_at = self._handle(item, sink, assembler, replied_at)
-                # drain whatever else is queued before writing, so output goes out in batches
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    replied_at = self._handle(item, sink, assembler, replied_at)
-                sink.flush()
-            except KeyboardInterrupt:
-                if stop_at is None or outcome != "interrupted":
-                    outcome = "interrupted"
-                    interrupt()
-                    stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
-                    release_at = time.monotonic() + RELEASE_AFTER_SECONDS
-                    continue
-                break  # a second interrupt: stop waiting now
-        for rank, stream, line in assembler.flush_all():
-            sink.write(rank, stream, [line])
-        sink.flush()
-        if outcome == "done" and not self._async_result.ready() and not self.dead:
-            outcome = "interrupted"
-        return outcome
-
-    def _handle(
-        self, item: tuple[Any, ...], sink: _OutputSink, assembler: LineAssembler, replied_at: float | None
-    ) -> float | None:
-        kind = item[0]
-        if kind == "stream":
-            _, rank, stream, text = item
-            sink.write(rank, stream, assembler.feed(rank, stream, text))
-        elif kind == "display":
-            _, rank, content = item
-            _show_display(rank, content)
-        elif kind == "data":
-            _, rank, payload = item
-            sink.data(rank, payload)
-        elif kind == "idle":
-            self._idle.add(item[1])
-        elif kind == "replied":
-            return time.monotonic()
-        return replied_at
-
-    def _survivors_done(self) -> bool:
-        children = zip(self._ranks, self._async_result._children)
-        return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
-
-    def _finished(self) -> tuple[int, ...]:
-        children = zip(self._ranks, self._async_result._children)
-        return tuple(rank for rank, future in children if future.done() and rank not in self.dead)
-
-    def _some_failed(self) -> bool:
-        for future in self._async_result._children:
-            if future.done() and future.output.metadata.get("status") == "error":
-                return True
-        return False
-
-    def unfinished(self) -> tuple[int, ...]:
-        ar = self._async_result
-        return tuple(rank for rank, future in zip(self._ranks, ar._children) if not future.done())
-
-    def values(self) -> dict[int, dict[str, Any]]:
-        values = {}
-        for rank, future in zip(self._ranks, self._async_result._children):
-            executed = future.output.metadata.get("execute_result")
-            if executed:
-                values[rank] = executed.get("data", {})
-        return values
-
-    def failures(self) -> list[RankFailure]:
-        found = []
-        for rank, future in zip(self._ranks, self._async_result._children):
-            if not future.done():
-                continue
-            metadata = future.output.metadata
-            error = metadata.get("error")
-            if error is None:
-                try:
-                    reply = future.result()
-                except Exception as failure:  # noqa: BLE001  (e.g. the rank's process died)
-                    found.append(RankFailure(rank, type(failure).__name__, _one_line(failure)))
-                    continue
-                content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
-                if not content or content.get("status") != "error":
-                    continue
-                error = self._client._unwrap_exception(content)
-            completed = metadata.get("completed")
-            found.append(
-                RankFailure(
-                    rank=rank,
-                    ename=getattr(error, "ename", type(error).__name__),
-                    evalue=getattr(error, "evalue", str(error)),
-                    traceback=tuple(_traceback_lines(error)),
-                    completed=_epoch_seconds(completed),
-                )
-            )
-        return found
-
-
-def _traceback_lines(error: Any) -> list[str]:
-    rendered = getattr(error, "render_traceback", None)
-    if rendered is not None:
-        try:
-            return list(rendered())
-        except Exception:  # noqa: BLE001
-            pass
-    return [str(error)]
-
-
-def _recorded_exit(engine_set: Any) -> int | None:
-    """The exit code ipyparallel's launcher recorded for a stopped engine, if it did."""
-    stop_data = getattr(engine_set, "stop_data", None) or {}
-    for engine in (stop_data.get("engines") or {}).values():
-        if isinstance(engine, dict) and engine.get("exit_code") is not None:
-            return int(engine["exit_code"])
-    return None
-
-
-def describe_exit(code: int | None) -> str:
-    """How a rank process ended, in words a user can act on."""
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = {
-            "SIGKILL": " (often the out-of-memory killer)",
-            "SIGSEGV": " (a crash in native code)",
-            "SIGABRT": " (aborted, e.g. by a failed check in native code)",
-        }.get(name, "")
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
-
-
-def _epoch_seconds(stamp: Any) -> float | None:
-    """ipyparallel's timestamps arrive as datetimes or ISO strings."""
-    if stamp is None:
-        return None
-    if isinstance(stamp, str):
-        try:
-            stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
-
-
-def _show_display(rank: int, content: dict[str, Any]) -> None:
-    try:
-        from IPython.display import publish_display_data
-    except ImportError:
-        return
-    publish_display_data(
-        data=content.get("data", {}),
-        metadata=content.get("metadata", {}),
-        transient=content.get("transient"),
-    )
-
-
 def _engine_set_id(slot: int) -> str:
     return f"rank{slot}"
 
 
 def _rank_list(ranks: Iterable[int]) -> str:
     return ", ".join(str(r) for r in ranks)
-
-
-def _one_line(failure: BaseException) -> str:
-    ename, evalue = getattr(failure, "ename", None), getattr(failure, "evalue", None)
-    if ename:  # a rank's exception relayed by ipyparallel: show it as the rank raised it
-        return f"{ename}: {evalue}" if evalue else str(ename)
-    text = str(failure).strip().splitlines()
-    return text[-1] if text else type(failure).__name__
-
-
-def _log_tail(path: str, lines: int = 5) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, encoding="utf8", errors="replace") as handle:
-            tail = handle.read().strip().splitlines()[-lines:]
-    except OSError:
-        return ""
-    return " | ".join(tail)
-
-
-def _run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
-    # stop_cluster_sync spins its own event loop; never let it hold the notebook forever
-    worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
-    worker.start()
-    worker.join(seconds)
-
-
-def _descendants(pids: list[int]) -> list[int]:
-    import psutil  # ipyparallel depends on it
-
-    found: list[int] = []
-    for pid in pids:
-        try:
-            found.extend(child.pid for child in psutil.Process(pid).children(recursive=True))
-        except psutil.Error:
-            continue
-    return found
-
-
-def _controller_pid(cluster: Any) -> int | None:
-    controller = getattr(cluster, "controller", None)
-    return getattr(controller, "pid", None) if controller is not None else None
-
-
-def _wait_gone(pids: list[int], wait: float) -> list[int]:
-    """Wait up to `wait` seconds for `pids` to exit; return those still alive."""
-    deadline = time.monotonic() + wait
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _pid_alive(pid)]
-        if alive:
-            time.sleep(0.02)
-    return alive
-
-
-def _kill_survivors(pids: list[int], wait: float = 3.0) -> None:
-    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
-    for pid in _wait_gone(pids, wait):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        finished, _ = os.waitpid(pid, os.WNOHANG)
-        if finished == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (or already reaped): fall back to a signal probe
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _not_zombie(pid)
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

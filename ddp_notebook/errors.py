@@ -121,3 +121,12 @@ class CellInterruptedError(DDPError):
 
     def _render_traceback_(self) -> list[str]:
         return [str(self)]
+
+
+def one_line(failure: BaseException) -> str:
+    """A failure as one line; a rank's exception relayed by ipyparallel as the rank raised it."""
+    ename, evalue = getattr(failure, "ename", None), getattr(failure, "evalue", None)
+    if ename:
+        return f"{ename}: {evalue}" if evalue else str(ename)
+    text = str(failure).strip().splitlines()
+    return text[-1] if text else type(failure).__name__

@@ -1,0 +1,119 @@
+"""The processes a world is made of: waiting for them, ending them, saying how they ended.
+
+Only PIDs this package started (and what they forked) are ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def recorded_exit(engine_set: Any) -> int | None:
+    """The exit code ipyparallel's launcher recorded for a stopped engine, if it did."""
+    stop_data = getattr(engine_set, "stop_data", None) or {}
+    for engine in (stop_data.get("engines") or {}).values():
+        if isinstance(engine, dict) and engine.get("exit_code") is not None:
+            return int(engine["exit_code"])
+    return None
+
+
+def describe_exit(code: int | None) -> str:
+    """How a rank process ended, in words a user can act on."""
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": " (often the out-of-memory killer)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGABRT": " (aborted, e.g. by a failed check in native code)",
+        }.get(name, "")
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+def log_tail(path: str, lines: int = 5) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf8", errors="replace") as handle:
+            tail = handle.read().strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return " | ".join(tail)
+
+
+def run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
+    # stop_cluster_sync spins its own event loop; never let it hold the notebook forever
+    worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
+    worker.start()
+    worker.join(seconds)
+
+
+def descendants(pids: list[int]) -> list[int]:
+    import psutil  # ipyparallel depends on it
+
+    found: list[int] = []
+    for pid in pids:
+        try:
+            found.extend(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return found
+
+
+def controller_pid(cluster: Any) -> int | None:
+    controller = getattr(cluster, "controller", None)
+    return getattr(controller, "pid", None) if controller is not None else None
+
+
+def wait_gone(pids: list[int], wait: float) -> list[int]:
+    """Wait up to `wait` seconds for `pids` to exit; return those still alive."""
+    deadline = time.monotonic() + wait
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if pid_alive(pid)]
+        if alive:
+            time.sleep(0.02)
+    return alive
+
+
+def kill_survivors(pids: list[int], wait: float = 3.0) -> None:
+    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
+    for pid in wait_gone(pids, wait):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        if finished == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (or already reaped): fall back to a signal probe
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

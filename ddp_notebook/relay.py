@@ -1,0 +1,330 @@
+"""One cell in flight: its messages, carried from ipyparallel's IO thread to the waiting thread.
+
+`CellRelay` registers on ipyparallel's message futures, turns stdout/stderr chunks into whole
+`[rank N]` lines (via `OutputSink`), relays display and data messages, and decides when the
+cell is over: all ranks replied, a timeout or interrupt ran out its grace, or a rank died.
+It also notices when finished ranks must let go of the process group to release peers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
+
+from .errors import RankFailure, one_line
+from .output import LineAssembler, tag_lines
+
+if TYPE_CHECKING:
+    from .cluster import CellResult
+
+# after an interrupt or timeout, how long the ranks get to stop before we give up waiting
+INTERRUPT_GRACE_SECONDS = 5.0
+# after every rank replied, how long to wait for the tail of its output
+OUTPUT_DRAIN_SECONDS = 2.0
+# how often a running cell checks that its ranks' processes are alive
+DEATH_CHECK_SECONDS = 0.25
+# after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
+DEATH_GRACE_SECONDS = 3.0
+# after a rank failed (or the ranks were interrupted), how long the others may keep running
+# before the finished ranks let go of the process group, releasing peers blocked in it
+RELEASE_AFTER_SECONDS = 1.0
+
+
+class OutputSink:
+    """Where a cell's output goes: tagged lines to stdout/stderr, or into the result."""
+
+    def __init__(
+        self,
+        stdout: TextIO | None,
+        stderr: TextIO | None,
+        collect: CellResult | None,
+        on_data: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._collect = collect
+        self._on_data = on_data
+
+    def data(self, rank: int, payload: dict[str, Any]) -> None:
+        if self._on_data is not None:
+            self._on_data(rank, payload)
+
+    def write(self, rank: int, stream: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        if self._collect is not None:
+            store = self._collect.stderr if stream == "stderr" else self._collect.stdout
+            store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
+            return
+        # looked up at write time: IPython swaps sys.stdout per cell
+        target = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
+        target.write(tag_lines(rank, lines))
+
+    def flush(self) -> None:
+        for target in (self._stdout or sys.stdout, self._stderr or sys.stderr):
+            try:
+                target.flush()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class CellRelay:
+    """Carries one cell's messages from ipyparallel's IO thread to the waiting thread.
+
+    Registration happens on the IO thread itself, so each message is seen exactly once:
+    either it was already folded into ipyparallel's metadata (caught up at registration)
+    or it reaches our callback afterwards.
+    """
+
+    def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
+        self._client = client
+        self._ranks = ranks
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._async_result: Any = None
+        self._idle: set[int] = set()
+        self.dead: dict[int, str] = {}
+        self.stuck_report = ""
+        self.released = False  # whether finished ranks let go of the process group
+
+    def attach(self, async_result: Any) -> None:
+        """Start relaying `async_result`'s messages; call right after sending the cell.
+
+        The request itself was handed to the IO thread as a callback; this one is queued
+        behind it, so it runs before the thread reads any reply to the request. No need
+        to wait for it here: whatever arrives earlier is caught up from the metadata.
+        """
+        self._async_result = async_result
+
+        def register() -> None:
+            for rank, future in zip(self._ranks, async_result._children):
+                self._catch_up(rank, future)
+                future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
+                # the output future resolves on the rank's 'idle' status, after all its output;
+                # ipyparallel may drop the message future before that status reaches callbacks
+                future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
+
+        self._client._io_loop.add_callback(register)
+        async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
+
+    def _catch_up(self, rank: int, future: Any) -> None:
+        metadata = future.output.metadata
+        for stream in ("stdout", "stderr"):
+            if metadata[stream]:
+                self._queue.put(("stream", rank, stream, metadata[stream]))
+        for output in metadata["outputs"]:
+            self._queue.put(("display", rank, output))
+        if metadata.get("data"):
+            # published before we listened (ipyparallel keeps only the merge of such messages;
+            # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
+            self._queue.put(("data", rank, dict(metadata["data"])))
+
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        kind = msg["header"]["msg_type"]
+        content = msg["content"]
+        if kind == "stream":
+            self._queue.put(("stream", rank, content["name"], content["text"]))
+        elif kind == "display_data":
+            self._queue.put(("display", rank, content))
+        elif kind == "data_message":
+            # what a rank published with ipyparallel's publish_data: plain data, signed message
+            from ipyparallel.serialize import deserialize_object
+
+            payload, _ = deserialize_object(msg["buffers"])
+            self._queue.put(("data", rank, payload))
+
+    def wait(
+        self,
+        sink: OutputSink,
+        timeout: float | None,
+        interrupt: Callable[[], None],
+        find_dead: Callable[[], dict[int, str]],
+        report_stuck: Callable[[tuple[int, ...]], str] | None = None,
+        release: Callable[[tuple[int, ...]], None] | None = None,
+    ) -> str:
+        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'.
+
+        Rank processes found dead are recorded in `self.dead`; the others then get a short
+        grace period, in which peers blocked in a collective with the dead rank fail.
+        When some ranks finished (a rank raised, or the interrupt reached them) while others
+        still run, they may be blocked in a collective waiting for the finished ones, which
+        SIGINT cannot break: after a second, `release(finished ranks)` makes those let go of
+        the process group, so the blocked ones fail within a second too.
+        """
+        assembler = LineAssembler()
+        began = time.monotonic()
+        replied_at: float | None = None
+        stop_at: float | None = None  # set once we interrupted the ranks or one died
+        release_at: float | None = None  # set once some ranks finished badly while others run
+        next_death_check = began + DEATH_CHECK_SECONDS
+        outcome = "done"
+        while True:
+            try:
+                now = time.monotonic()
+                if release is not None and not self.released:
+                    if release_at is None and self._some_failed():
+                        release_at = now + RELEASE_AFTER_SECONDS
+                    if release_at is not None and now > release_at:
+                        finished, running = self._finished(), self.unfinished()
+                        if finished and running:
+                            self.released = True
+                            release(finished)
+                            stop_at = max(stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
+                if replied_at is not None and (
+                    self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS
+                ):
+                    break
+                if stop_at is not None and now > stop_at:
+                    break
+                if self.dead and self._survivors_done():
+                    break
+                if timeout is not None and stop_at is None and now - began > timeout:
+                    outcome = "timeout"
+                    if report_stuck is not None:  # before the interrupt moves them
+                        self.stuck_report = report_stuck(self.unfinished())
+                    interrupt()
+                    stop_at = now + INTERRUPT_GRACE_SECONDS
+                    release_at = now + RELEASE_AFTER_SECONDS
+                if now > next_death_check and not self.dead:
+                    next_death_check = now + DEATH_CHECK_SECONDS
+                    self.dead = find_dead()
+                    if self.dead and stop_at is None:
+                        stop_at = now + DEATH_GRACE_SECONDS
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                replied_at = self._handle(item, sink, assembler, replied_at)
+                # drain whatever else is queued before writing, so output goes out in batches
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    replied_at = self._handle(item, sink, assembler, replied_at)
+                sink.flush()
+            except KeyboardInterrupt:
+                if stop_at is None or outcome != "interrupted":
+                    outcome = "interrupted"
+                    interrupt()
+                    stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
+                    release_at = time.monotonic() + RELEASE_AFTER_SECONDS
+                    continue
+                break  # a second interrupt: stop waiting now
+        for rank, stream, line in assembler.flush_all():
+            sink.write(rank, stream, [line])
+        sink.flush()
+        if outcome == "done" and not self._async_result.ready() and not self.dead:
+            outcome = "interrupted"
+        return outcome
+
+    def _handle(
+        self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler, replied_at: float | None
+    ) -> float | None:
+        kind = item[0]
+        if kind == "stream":
+            _, rank, stream, text = item
+            sink.write(rank, stream, assembler.feed(rank, stream, text))
+        elif kind == "display":
+            _, rank, content = item
+            _show_display(rank, content)
+        elif kind == "data":
+            _, rank, payload = item
+            sink.data(rank, payload)
+        elif kind == "idle":
+            self._idle.add(item[1])
+        elif kind == "replied":
+            return time.monotonic()
+        return replied_at
+
+    def _survivors_done(self) -> bool:
+        children = zip(self._ranks, self._async_result._children)
+        return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
+
+    def _finished(self) -> tuple[int, ...]:
+        children = zip(self._ranks, self._async_result._children)
+        return tuple(rank for rank, future in children if future.done() and rank not in self.dead)
+
+    def _some_failed(self) -> bool:
+        for future in self._async_result._children:
+            if future.done() and future.output.metadata.get("status") == "error":
+                return True
+        return False
+
+    def unfinished(self) -> tuple[int, ...]:
+        ar = self._async_result
+        return tuple(rank for rank, future in zip(self._ranks, ar._children) if not future.done())
+
+    def values(self) -> dict[int, dict[str, Any]]:
+        values = {}
+        for rank, future in zip(self._ranks, self._async_result._children):
+            executed = future.output.metadata.get("execute_result")
+            if executed:
+                values[rank] = executed.get("data", {})
+        return values
+
+    def failures(self) -> list[RankFailure]:
+        found = []
+        for rank, future in zip(self._ranks, self._async_result._children):
+            if not future.done():
+                continue
+            metadata = future.output.metadata
+            error = metadata.get("error")
+            if error is None:
+                try:
+                    reply = future.result()
+                except Exception as failure:  # noqa: BLE001  (e.g. the rank's process died)
+                    found.append(RankFailure(rank, type(failure).__name__, one_line(failure)))
+                    continue
+                content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
+                if not content or content.get("status") != "error":
+                    continue
+                error = self._client._unwrap_exception(content)
+            completed = metadata.get("completed")
+            found.append(
+                RankFailure(
+                    rank=rank,
+                    ename=getattr(error, "ename", type(error).__name__),
+                    evalue=getattr(error, "evalue", str(error)),
+                    traceback=tuple(_traceback_lines(error)),
+                    completed=_epoch_seconds(completed),
+                )
+            )
+        return found
+
+
+def _traceback_lines(error: Any) -> list[str]:
+    rendered = getattr(error, "render_traceback", None)
+    if rendered is not None:
+        try:
+            return list(rendered())
+        except Exception:  # noqa: BLE001
+            pass
+    return [str(error)]
+
+
+def _epoch_seconds(stamp: Any) -> float | None:
+    """ipyparallel's timestamps arrive as datetimes or ISO strings."""
+    if stamp is None:
+        return None
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
+
+
+def _show_display(rank: int, content: dict[str, Any]) -> None:
+    try:
+        from IPython.display import publish_display_data
+    except ImportError:
+        return
+    publish_display_data(
+        data=content.get("data", {}),
+        metadata=content.get("metadata", {}),
+        transient=content.get("transient"),
+    )
