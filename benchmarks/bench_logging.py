@@ -9,12 +9,14 @@ ipywidgets and a plotly FigureWidget; no browser attached).
    loop of the same length. The batches sent every 0.1 s during the loop are included, so
    this is the amortized cost. Also 3 metrics per call, and `progress()` per iteration.
 2. Throughput: the same small DDP MLP as train_workload.py (64-512-512-10, batch 64 per
-   rank) trains in blocks of BLOCK steps that alternate between no logging and
-   `ddp_notebook.log(loss=loss.item())` after every step (ABBA order), PAIRS pairs per cell,
-   CELLS cells. Alternating short blocks inside one run cancels the drift that other work
-   on a shared machine adds, which separate runs cannot (their spread here exceeds 2%).
+   rank) trains in blocks of BLOCK steps of three kinds: no logging, the same again (a
+   control), and `ddp_notebook.log(loss=loss.item())` after every step. Each round runs one
+   block of each kind, in an order that rotates so each kind takes each place equally
+   often; ROUNDS rounds per cell, CELLS cells. Short alternating blocks in one run cancel
+   most of the drift other work on a shared machine adds; the control shows what is left:
+   two identical kinds of block differ by that much on this machine.
 
-    python benchmarks/bench_logging.py [--ranks 2] [--calls 200000] [--block 25] [--pairs 60] [--cells 3]
+    python benchmarks/bench_logging.py [--ranks 2] [--calls 200000] [--block 25] [--rounds 60] [--cells 3]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ GOAL_RATIO = 0.98
 # the cells, as a notebook user would run them; their inputs are pushed, not formatted in
 IMPORT_CELL = "import sys; sys.path.insert(0, BENCH_DIR); import bench_logging"
 COST_CELL = "cost = bench_logging.log_cost(CALLS)"
-TRAIN_CELL = "result = bench_logging.train(PAIRS, BLOCK, WARMUP)"
+TRAIN_CELL = "result = bench_logging.train(ROUNDS, BLOCK, WARMUP)"
 
 
 # ---------------------------------------------------------------- on the ranks
@@ -98,8 +100,13 @@ def log_cost(calls: int) -> dict[str, float]:
     }
 
 
-def train(pairs: int, block: int, warmup: int) -> dict[str, Any]:
-    """Seconds (wall and CPU) per block of `block` DDP steps, without and with log() each step."""
+KINDS = ("without", "control", "with")
+# each kind in each place equally often (a Latin square, then its mirror)
+ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (0, 2, 1), (1, 0, 2))
+
+
+def train(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds (wall and CPU) per block of `block` DDP steps, for each kind of block."""
     import torch
     from torch import nn
 
@@ -125,18 +132,17 @@ def train(pairs: int, block: int, warmup: int) -> dict[str, Any]:
         step(index)
     torch.distributed.barrier()
     # every step all-reduces gradients, so the ranks stay in step and rank 0's clock times all
-    seconds: dict[str, list[float]] = {"without": [], "with": [], "cpu_without": [], "cpu_with": []}
-    for pair in range(pairs):
-        for logging in (False, True) if pair % 2 == 0 else (True, False):
+    seconds: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
+    for round_index in range(rounds):
+        for kind in (KINDS[i] for i in ORDERS[round_index % len(ORDERS)]):
             began, cpu_began = time.perf_counter(), time.process_time()
-            if logging:
+            if kind == "with":
                 for index in range(block):
                     loss = step(index)
                     ddp_notebook.log(loss=loss.item())
             else:
                 for index in range(block):
                     step(index)
-            kind = "with" if logging else "without"
             seconds[kind].append(time.perf_counter() - began)
             # CPU time of this rank's process: what logging costs it, whatever else runs here
             seconds[f"cpu_{kind}"].append(time.process_time() - cpu_began)
@@ -173,13 +179,13 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200_000, help="log() calls per timing (default: 200000)")
     parser.add_argument("--block", type=int, default=25, help="training steps per block (default: 25)")
-    parser.add_argument("--pairs", type=int, default=60, help="blocks of each kind per cell (default: 60)")
+    parser.add_argument("--rounds", type=int, default=60, help="blocks of each kind per cell (default: 60)")
     parser.add_argument("--cells", type=int, default=3, help="training cells (default: 3)")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--no-widgets", action="store_true", help="notebook side: keep the data, draw nothing")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
     args = parser.parse_args()
-    for name in ("ranks", "calls", "block", "pairs", "cells"):
+    for name in ("ranks", "calls", "block", "rounds", "cells"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
 
@@ -189,7 +195,7 @@ def main() -> None:
     print(
         f"   {len(os.sched_getaffinity(0))} CPUs, load {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"python {platform.python_version()}; calls={args.calls}, block={args.block}, "
-        f"pairs={args.pairs}, cells={args.cells}"
+        f"rounds={args.rounds}, cells={args.cells}"
     )
     results: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)}}
     # as %ddp_start does in a notebook: plotly's first import (over a second) is not timed
@@ -219,9 +225,9 @@ def main() -> None:
         verdict = "meets" if log_ns / 1000 <= GOAL_LOG_US else "MISSES"
         print(f"worst log() call: {log_ns / 1000:.2f} us ({verdict} the goal of <= {GOAL_LOG_US:g} us)")
 
-        blocks: dict[str, list[float]] = {"without": [], "with": [], "cpu_without": [], "cpu_with": []}
+        blocks: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
         notebook: list[tuple[float, int, float]] = []
-        world.push({"PAIRS": args.pairs, "BLOCK": args.block, "WARMUP": args.warmup})
+        world.push({"ROUNDS": args.rounds, "BLOCK": args.block, "WARMUP": args.warmup})
         for _ in range(args.cells):
             consumer = TimedFeed(widgets=not args.no_widgets)
             began = time.perf_counter()
@@ -232,38 +238,46 @@ def main() -> None:
             for kind in blocks:
                 blocks[kind].extend(seconds[kind])
             points = len(consumer.feed.metrics)
-            assert points == args.ranks * args.pairs * args.block, f"lost points: {points}"
+            assert points == args.ranks * args.rounds * args.block, f"lost points: {points}"
             notebook.append((consumer.seconds, consumer.messages, elapsed))
     finally:
         world.stop()
 
-    plain = len(blocks["without"]) * args.block / sum(blocks["without"])
-    logged = len(blocks["with"]) * args.block / sum(blocks["with"])
+    def steps_per_s(kind: str) -> float:
+        return len(blocks[kind]) * args.block / sum(blocks[kind])
+
+    def against_without(kind: str) -> tuple[float, float, float]:
+        """Throughput ratio of `kind` to 'without' per round: mean and its 95% interval."""
+        ratios = [without / other for without, other in zip(blocks["without"], blocks[kind])]
+        mean = statistics.fmean(ratios)
+        margin = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+        return mean, mean - margin, mean + margin
+
+    plain, logged, control = steps_per_s("without"), steps_per_s("with"), steps_per_s("control")
     ratio = logged / plain
-    # each block against its partner of the same pair: what background load did not cancel
-    pairs = sorted(without / with_ for without, with_ in zip(blocks["without"], blocks["with"]))
-    print(f"\ntraining throughput (steps/s on rank 0; {len(pairs)} pairs of {args.block}-step blocks, ABBA order)")
+    mean, low, high = against_without("with")
+    control_mean, control_low, control_high = against_without("control")
+    rounds = len(blocks["with"])
+    print(f"\ntraining throughput (steps/s on rank 0; {rounds} rounds of three {args.block}-step blocks)")
     print(f"without logging:                 {plain:8.1f}")
-    print(f"log(loss=loss.item()) each step: {logged:8.1f}")
-    mean = statistics.fmean(pairs)
-    margin = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5
-    low, high = mean - margin, mean + margin
+    print(f"the same again (control):        {control:8.1f}   ratio {control / plain:.4f}")
+    print(f"log(loss=loss.item()) each step: {logged:8.1f}   ratio {ratio:.4f}")
+    print(f"per round, with/without:    mean {mean:.4f}, 95% interval {low:.4f}-{high:.4f}")
+    print(f"per round, control/without: mean {control_mean:.4f}, 95% interval {control_low:.4f}-{control_high:.4f}")
     if low >= GOAL_RATIO:
-        verdict = "meets the goal"
+        verdict = "meets it"
     elif high < GOAL_RATIO:
-        verdict = "MISSES the goal"
+        verdict = "MISSES it"
     else:
-        verdict = "too noisy here to tell against the goal"
-    quartiles = statistics.quantiles(pairs, n=4)
-    print(f"ratio with/without: {ratio:.4f} (all blocks); per pair of blocks: mean {mean:.4f}")
-    print(f"95% interval of the mean: {low:.4f}-{high:.4f}: {verdict} of >= {GOAL_RATIO:g}")
-    print(f"noise: half the pairs lie outside {quartiles[0]:.3f}-{quartiles[2]:.3f}")
+        verdict = "too close to call with this machine's noise (see the control)"
+    print(f"logging every step, against the goal of >= {GOAL_RATIO:g}: {verdict}")
     cpu_steps = len(blocks["cpu_with"]) * args.block
     cpu_without = sum(blocks["cpu_without"]) / cpu_steps * 1e6
     cpu_with = sum(blocks["cpu_with"]) / cpu_steps * 1e6
+    cpu_control = sum(blocks["cpu_control"]) / cpu_steps * 1e6
     print(
-        f"rank 0 CPU time per step: {cpu_without:.0f} us without, {cpu_with:.0f} us with logging "
-        f"({cpu_with - cpu_without:+.1f} us)"
+        f"rank 0 CPU time per step: {cpu_without:.0f} us without, {cpu_control:.0f} us control, "
+        f"{cpu_with:.0f} us with logging"
     )
     # what logging adds to a step on the rank, from the noise-free costs above
     worst = max(costs.values(), key=lambda cost: cost["log_ns"] + cost["batch_ns"])
@@ -288,8 +302,12 @@ def main() -> None:
         "ratio": ratio,
         "cpu_us_per_step_without": cpu_without,
         "cpu_us_per_step_with": cpu_with,
-        "pair_ratio_mean": mean,
-        "pair_ratio_95": [low, high],
+        "steps_per_s_control": control,
+        "round_ratio_mean": mean,
+        "round_ratio_95": [low, high],
+        "control_ratio_mean": control_mean,
+        "control_ratio_95": [control_low, control_high],
+        "cpu_us_per_step_control": cpu_control,
         "rank_side_us_per_step": added_us,
         "worst_log_us": log_ns / 1000,
         "notebook_messages_per_s": rate,
