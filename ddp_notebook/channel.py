@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
@@ -54,8 +55,9 @@ class RankMessage(TypedDict):
     t: float  # seconds since the cell started (rank clock)
     count: int  # log() calls without step= so far in this cell: the rank's step count
     calls: int  # all log() calls so far in this cell
-    # metric name -> [steps, values] of the points logged since the last flush
-    metrics: dict[str, list[list[float]]]
+    # metric name -> [steps, values] of the points logged since the last flush, as arrays
+    # ('q' or 'd' steps, 'd' values): ipyparallel pickles them whole, not item by item
+    metrics: dict[str, list[Sequence[float]]]
     explicit: list[str]  # names logged with step=...: those steps are kept as given
     bars: list[BarMessage]  # the bars that changed since the last flush
     state: str  # running, or how the cell ended: done | failed | stopped
@@ -104,7 +106,7 @@ class Channel:
     ) -> None:
         self._publish = publish
         self._clock = clock
-        self._flush_seconds = flush_seconds
+        self.flush_seconds = flush_seconds  # the least time between two batches
         self.begin_cell()
 
     def begin_cell(self) -> None:
@@ -114,7 +116,8 @@ class Channel:
         self.next_flush = 0.0  # the first log() or progress step of a cell flushes at once
         self._seq = 0
         self._started = self._clock()
-        self._pending: dict[str, tuple[list[float], list[float]]] = {}
+        # arrays, not lists: one batch pickles as a few byte strings, whatever its length
+        self._pending: dict[str, tuple[array[Any], array[float]]] = {}
         self._explicit: set[str] = set()
         self._open: list[_Bar] = []
         self._dirty: dict[int, _Bar] = {}
@@ -123,19 +126,27 @@ class Channel:
 
     # log() is the hot path: a few appends and one clock read, nothing else
     def log(self, step: float | None, metrics: dict[str, Any]) -> None:
-        self.calls += 1
-        if step is None:
+        counted = step is None
+        if counted:
             step = self.count
-            self.count += 1
         else:
             self._explicit.update(metrics)
         pending = self._pending
         for name, value in metrics.items():
             series = pending.get(name)
             if series is None:
-                series = pending[name] = ([], [])
-            series[0].append(step)
-            series[1].append(_number(name, value))
+                series = pending[name] = (array("q" if isinstance(step, int) else "d"), array("d"))
+            try:
+                series[1].append(value)  # the value first: a refused one leaves no step behind
+            except Exception:  # noqa: BLE001  (whatever float() refuses, said plainly)
+                raise _not_a_number(name, value) from None
+            try:
+                series[0].append(step)
+            except TypeError:  # a fractional step after whole ones: this series' steps become floats
+                series = pending[name] = (array("d", series[0]), series[1])
+                series[0].append(step)
+        self.calls += 1
+        self.count += counted
         now = self._clock()
         if now >= self.next_flush:
             self.flush(now)
@@ -177,7 +188,7 @@ class Channel:
     def flush(self, now: float | None = None, state: str = "running") -> None:
         """Publish what is buffered (if anything, or if the cell's end must be told)."""
         now = self._clock() if now is None else now
-        self.next_flush = now + self._flush_seconds
+        self.next_flush = now + self.flush_seconds
         final = state != "running"
         if not (self._pending or self._dirty or (final and self._active)):
             return
@@ -207,14 +218,11 @@ class Channel:
         self._active = False
 
 
-def _number(name: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"ddp_notebook.log({name}=...) needs a number, got {type(value).__name__}; "
-            "log loss.item() rather than the tensor"
-        ) from None
+def _not_a_number(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"ddp_notebook.log({name}=...) needs a number, got {type(value).__name__}; "
+        "log loss.item() rather than the tensor"
+    )
 
 
 class Progress:

@@ -118,6 +118,8 @@ class DDPCluster:
         cell_timeout: float | None = None,
         start_timeout: float = config.DEFAULT_START_TIMEOUT,
         env: dict[str, str] | None = None,
+        ip: str = "127.0.0.1",
+        curve: bool = False,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
     ) -> None:
@@ -129,6 +131,8 @@ class DDPCluster:
             cell_timeout=cell_timeout,
             start_timeout=start_timeout,
             env=env,
+            ip=ip,
+            curve=curve,
         )
         self._stdout = stdout
         self._stderr = stderr
@@ -228,10 +232,11 @@ class DDPCluster:
             # (ipyparallel, then torch) overlap the controller's start-up; they wait for its
             # connection file in the (user-private) profile security directory
             send_engines_connection_env=False,
-            controller_ip="127.0.0.1",
+            controller_ip=cfg.master_addr,
             controller_args=[
                 f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                *(["--IPController.enable_curve=True"] if cfg.curve else []),
             ],
             # ipyparallel logs every engine's log file when it exits non-zero; our own
             # messages say what matters, in one line
@@ -242,7 +247,9 @@ class DDPCluster:
             controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
             environment=dict(owner),
         )
-        loopback = devices.loopback_interface()
+        # gloo and NCCL pick their interface from the hostname unless told: pin them to the
+        # interface of the address the world listens on
+        interface = devices.interface_of(cfg.master_addr)
         for slot in range(cfg.n_ranks):
             environment = {
                 **cfg.env,
@@ -255,9 +262,9 @@ class DDPCluster:
                 environment["CUDA_VISIBLE_DEVICES"] = cfg.gpus[slot]
             elif devices.visible_gpus():
                 environment["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks on a GPU machine stay off the GPUs
-            if loopback:
-                environment["GLOO_SOCKET_IFNAME"] = loopback
-                environment["NCCL_SOCKET_IFNAME"] = loopback
+            if interface:
+                environment["GLOO_SOCKET_IFNAME"] = interface
+                environment["NCCL_SOCKET_IFNAME"] = interface
             self._cluster.start_engines_sync(
                 n=1,
                 engine_set_id=_engine_set_id(slot),

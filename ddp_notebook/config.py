@@ -6,6 +6,7 @@ leaves nothing behind (as accelerate's launchers do).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,7 +36,8 @@ class WorldConfig:
     timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     cell_timeout: float | None = None
     start_timeout: float = DEFAULT_START_TIMEOUT
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "127.0.0.1"  # where the controller and the rendezvous listen
+    curve: bool = False  # CurveZMQ encryption of ipyparallel's traffic
     threads_per_rank: int = 1
     env: dict[str, str] = field(default_factory=dict)
 
@@ -60,6 +62,10 @@ class WorldConfig:
             _check_seconds(name, value)
         if self.cell_timeout is not None:
             _check_seconds("cell timeout", self.cell_timeout)
+        if not is_loopback(self.master_addr) and not self.curve:
+            raise DDPUsageError(
+                f"listening on {self.master_addr} (beyond loopback) needs CurveZMQ encryption (curve=True)"
+            )
         if self.threads_per_rank < 1:
             raise DDPUsageError(f"threads per rank must be >= 1, got {self.threads_per_rank}")
 
@@ -82,14 +88,21 @@ def resolve(
     cell_timeout: float | None = None,
     start_timeout: float = DEFAULT_START_TIMEOUT,
     env: dict[str, str] | None = None,
+    ip: str = "127.0.0.1",
+    curve: bool = False,
 ) -> WorldConfig:
     """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
 
     - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores);
     - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
     - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
-      does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores.
+      does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores;
+    - `ip`: where the controller and the rendezvous listen (loopback unless asked); beyond
+      loopback, CurveZMQ encryption is always on.
     """
+    address = parse_ip(ip)
+    if not is_loopback(address) and devices.interface_of(address) is None:
+        raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
     if backend not in BACKEND_CHOICES:
         raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
     chosen_gpus = _parse_gpus(gpus) if gpus is not None else None
@@ -138,7 +151,21 @@ def resolve(
         start_timeout=start_timeout,
         threads_per_rank=_threads_per_rank(n_ranks, bool(chosen_gpus)),
         env=dict(env or {}),
+        master_addr=address,
+        curve=curve or not is_loopback(address),
     )
+
+
+def parse_ip(text: str) -> str:
+    """An IP address of this machine to listen on, checked (no hostnames: say which interface)."""
+    try:
+        return str(ipaddress.ip_address(text.strip()))
+    except ValueError:
+        raise DDPUsageError(f"--ip needs an IP address of this machine such as 127.0.0.1, got '{text}'") from None
+
+
+def is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
 
 
 def _check_rank_count(n_ranks: object) -> None:

@@ -61,6 +61,8 @@ class DDPMagics(Magics):
         default=config.DEFAULT_START_TIMEOUT,
         help="seconds to wait for the ranks to come up (default: %(default)s)",
     )
+    @argument("--ip", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    @argument("--curve", action="store_true", help="encrypt ipyparallel's traffic (always on beyond loopback)")
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @line_magic
     @_usage_errors
@@ -77,6 +79,8 @@ class DDPMagics(Magics):
             timeout=args.timeout,
             cell_timeout=args.cell_timeout,
             start_timeout=args.start_timeout,
+            ip=args.ip,
+            curve=args.curve,
         )
         current = self.world
         if current is not None and current.running:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .config import is_loopback
+
 if TYPE_CHECKING:
     from .cluster import CellResult, DDPCluster, RankStatus
 
@@ -33,7 +35,15 @@ def format_start_summary(world: DDPCluster) -> str:
         f"{world.config.backend}, {world.config.threads_per_rank} thread(s) per rank, "
         f"started in {seconds:.1f} s"
     )
-    return heading + "\n" + table(("rank", "host", "pid", "device", "backend"), rows)
+    notes = ""
+    if world.config.curve:
+        notes += "\nipyparallel traffic is encrypted (CurveZMQ)"
+    if not is_loopback(world.config.master_addr):
+        notes += (
+            f"\nlistening on {world.config.master_addr}: torch.distributed's rendezvous and gloo/NCCL "
+            "traffic are not encrypted; use this only on a network you trust"
+        )
+    return heading + notes + "\n" + table(("rank", "host", "pid", "device", "backend"), rows)
 
 
 def _mb(value: float | None) -> str:

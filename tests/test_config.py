@@ -120,3 +120,17 @@ def test_visible_gpus_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch
     assert devices.visible_gpus() == ("0",)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert devices.visible_gpus() == ()
+
+
+def test_listening_beyond_loopback_turns_curve_on(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (resolve(2).master_addr, resolve(2).curve) == ("127.0.0.1", False)
+    assert resolve(2, curve=True).curve is True
+    monkeypatch.setattr(devices, "interface_of", lambda address: "eth7" if address == "10.1.2.3" else None)
+    cfg = resolve(2, ip="10.1.2.3")
+    assert (cfg.master_addr, cfg.curve) == ("10.1.2.3", True)
+    with pytest.raises(DDPUsageError, match="not an IPv4 address of this machine"):
+        resolve(2, ip="10.9.9.9")
+    with pytest.raises(DDPUsageError, match="needs an IP address"):
+        resolve(2, ip="my-laptop")
+    with pytest.raises(DDPUsageError, match="needs CurveZMQ"):
+        WorldConfig(n_ranks=2, backend="gloo", master_addr="10.1.2.3", curve=False)

@@ -94,3 +94,14 @@ def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
         world.stop()
     assert [p for p in security.iterdir() if cluster_id in p.name] == []
     assert not private.exists()
+
+
+def test_curve_encryption_on_request(no_leaks: None, capsys: pytest.CaptureFixture[str]) -> None:
+    with DDPCluster(2, backend="gloo", curve=True) as world:
+        security = Path(world._cluster.profile_dir) / "security"
+        client_file = security / f"ipcontroller-{world._cluster.cluster_id}-client.json"
+        assert json.loads(client_file.read_text())["curve_serverkey"]  # clients and ranks must use it
+        assert world.execute("rank + 1", stream=False).values == {0: {"text/plain": "1"}, 1: {"text/plain": "2"}}
+        from ddp_notebook.report import format_start_summary
+
+        assert "encrypted (CurveZMQ)" in format_start_summary(world)
