@@ -33,6 +33,8 @@ from typing import Any
 
 from _common import leak_report, process_tree
 
+from ddp_notebook.channel import FLUSH_SECONDS
+
 BENCH_DIR = Path(__file__).resolve().parent
 GOAL_LOG_US = 10.0
 GOAL_RATIO = 0.98
@@ -40,7 +42,7 @@ GOAL_RATIO = 0.98
 # the cells, as a notebook user would run them; their inputs are pushed, not formatted in
 IMPORT_CELL = "import sys; sys.path.insert(0, BENCH_DIR); import bench_logging"
 COST_CELL = "cost = bench_logging.log_cost(CALLS)"
-TRAIN_CELL = "result = bench_logging.train(ROUNDS, BLOCK, WARMUP)"
+TRAIN_CELL = "result = bench_logging.train(ROUNDS, BLOCK, WARMUP, FLUSH)"
 
 
 # ---------------------------------------------------------------- on the ranks
@@ -105,12 +107,15 @@ KINDS = ("without", "control", "with")
 ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (0, 2, 1), (1, 0, 2))
 
 
-def train(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
+def train(rounds: int, block: int, warmup: int, flush_seconds: float) -> dict[str, list[float]]:
     """Seconds (wall and CPU) per block of `block` DDP steps, for each kind of block."""
     import torch
     from torch import nn
 
     import ddp_notebook
+    from ddp_notebook.channel import rank_channel
+
+    rank_channel().flush_seconds = flush_seconds
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
@@ -182,6 +187,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60, help="blocks of each kind per cell (default: 60)")
     parser.add_argument("--cells", type=int, default=3, help="training cells (default: 3)")
     parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument(
+        "--flush",
+        type=float,
+        default=FLUSH_SECONDS,
+        help=f"least seconds between two batches of a rank (default: {FLUSH_SECONDS:g})",
+    )
     parser.add_argument("--no-widgets", action="store_true", help="notebook side: keep the data, draw nothing")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
     args = parser.parse_args()
@@ -195,7 +206,7 @@ def main() -> None:
     print(
         f"   {len(os.sched_getaffinity(0))} CPUs, load {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         f"python {platform.python_version()}; calls={args.calls}, block={args.block}, "
-        f"rounds={args.rounds}, cells={args.cells}"
+        f"rounds={args.rounds}, cells={args.cells}, flush={args.flush:g} s"
     )
     results: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)}}
     # as %ddp_start does in a notebook: plotly's first import (over a second) is not timed
@@ -227,7 +238,7 @@ def main() -> None:
 
         blocks: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
         notebook: list[tuple[float, int, float]] = []
-        world.push({"ROUNDS": args.rounds, "BLOCK": args.block, "WARMUP": args.warmup})
+        world.push({"ROUNDS": args.rounds, "BLOCK": args.block, "WARMUP": args.warmup, "FLUSH": args.flush})
         for _ in range(args.cells):
             consumer = TimedFeed(widgets=not args.no_widgets)
             began = time.perf_counter()
@@ -281,7 +292,7 @@ def main() -> None:
     )
     # what logging adds to a step on the rank, from the noise-free costs above
     worst = max(costs.values(), key=lambda cost: cost["log_ns"] + cost["batch_ns"])
-    batches_per_step = min(1.0, 1 / (0.1 * plain))
+    batches_per_step = min(1.0, 1 / (args.flush * plain))
     added_us = (worst["log_ns"] + worst["batch_ns"] * batches_per_step) / 1000
     print(
         f"rank-side cost at {plain:.0f} steps/s: log() {worst['log_ns'] / 1000:.2f} us + "

@@ -36,6 +36,11 @@ def messages(sent: list[dict[str, Any]]) -> list[RankMessage]:
     return [payload[MESSAGE_KEY] for payload in sent]
 
 
+def plain(message: RankMessage) -> dict[str, list[list[float]]]:
+    """A message's metrics as lists (they travel as arrays)."""
+    return {name: [list(steps), list(values)] for name, (steps, values) in message["metrics"].items()}
+
+
 def all_points(sent: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
     steps: list[float] = []
     values: list[float] = []
@@ -90,7 +95,7 @@ def test_a_flush_waits_for_the_interval(channel: Channel, clock: Clock, sent: li
     clock.advance(FLUSH_SECONDS * 0.6)
     channel.log(None, {"loss": 3.0})
     assert len(sent) == 2
-    assert messages(sent)[1]["metrics"] == {"loss": [[1, 2], [2.0, 3.0]]}
+    assert plain(messages(sent)[1]) == {"loss": [[1, 2], [2.0, 3.0]]}
 
 
 def test_explicit_steps_are_kept_and_do_not_advance_the_step_count(
@@ -114,9 +119,25 @@ def test_numbers_of_any_kind_become_floats_and_others_are_refused(channel: Chann
             return 0.25
 
     channel.log(None, {"a": 1, "b": True, "c": Scalar()})
-    assert messages(sent)[0]["metrics"] == {"a": [[0], [1.0]], "b": [[0], [1.0]], "c": [[0], [0.25]]}
-    with pytest.raises(TypeError, match=r"log\(loss=...\) needs a number, got str"):
-        channel.log(None, {"loss": "high"})
+    assert plain(messages(sent)[0]) == {"a": [[0], [1.0]], "b": [[0], [1.0]], "c": [[0], [0.25]]}
+
+    class Vector:  # what a tensor of several elements does
+        def __float__(self) -> float:
+            raise RuntimeError("a Tensor with 2 elements cannot be converted to Scalar")
+
+    for refused, kind in (("high", "str"), (Vector(), "Vector")):
+        with pytest.raises(TypeError, match=rf"log\(loss=...\) needs a number, got {kind}"):
+            channel.log(None, {"loss": refused})
+    channel.log(None, {"loss": 1.0})
+    channel.end_cell("done")
+    assert all_points(sent, "loss") == ([1], [1.0])  # refused values left no steps behind
+
+
+def test_fractional_steps_after_whole_ones(channel: Channel, sent: list[dict[str, Any]]) -> None:
+    channel.log(1, {"epoch_loss": 0.5})
+    channel.log(1.5, {"epoch_loss": 0.25})
+    channel.end_cell("done")
+    assert all_points(sent, "epoch_loss") == ([1, 1.5], [0.5, 0.25])
 
 
 def test_a_cell_that_logs_nothing_sends_nothing(channel: Channel, sent: list[dict[str, Any]]) -> None:
@@ -143,7 +164,7 @@ def test_each_cell_counts_steps_and_messages_from_zero(
     channel.end_cell("done")
     second = messages(sent)[2:]
     assert [m["seq"] for m in second] == [0, 1]
-    assert second[0]["metrics"] == {"loss": [[0], [2.0]]}
+    assert plain(second[0]) == {"loss": [[0], [2.0]]}
     assert second[0]["t"] == 1.0  # seconds since the cell began
 
 
