@@ -10,7 +10,7 @@ mkdir -p "$results"
 python="${PYTHON:-python}"
 status=0
 
-for name in roundtrip start training; do
+for name in roundtrip start training failures logging; do
     echo
     timeout --kill-after=30 600 "$python" "$here/bench_$name.py" --json "$results/$name.json" "$@"
     code=$?
