@@ -409,15 +409,17 @@ class DDPCluster:
         if client is None:
             return
         try:
-            idle = [
-                info.engine_id
-                for info in self._ranks.values()
-                if client.queue_status(targets=info.engine_id).get("queue", 1) == 0
-            ]
+            skip = set(self._busy_ranks()) | set(self.broken)  # dead ranks cannot answer
+            idle = [info.engine_id for info in self._ranks.values() if info.rank not in skip]
             if idle:
                 client[idle].apply_async(_remote.call_rank, "shutdown_world").get(timeout=3)
         except Exception:
             log.debug("leaving the process group failed", exc_info=True)
+
+    def _busy_ranks(self) -> list[int]:
+        """Ranks with a request queued or running, in one question to the controller."""
+        queues = self._client.queue_status()
+        return [info.rank for info in self.ranks if queues.get(info.engine_id, {}).get("queue", 0) > 0]
 
     def _teardown(self) -> None:
         client, cluster = self._client, self._cluster
@@ -450,10 +452,6 @@ class DDPCluster:
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
             processes.kill_survivors(family)
-            try:
-                cluster.remove_cluster_file()
-            except Exception:  # noqa: BLE001
-                pass
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
@@ -583,8 +581,7 @@ class DDPCluster:
         """
         client = self._require_running()
         began = time.perf_counter()
-        queues = client.queue_status()
-        busy = [info.rank for info in self.ranks if queues.get(info.engine_id, {}).get("queue", 0) > 0]
+        busy = self._busy_ranks()
         if busy:
             raise DDPUsageError(
                 f"rank(s) {_rank_list(busy)} are still busy (blocked in a collective until the collective "
