@@ -10,13 +10,16 @@ Both run ipyparallel's own entry points, with two additions:
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
-from ddp_notebook._environment import OWNER_PID_ENV, PRELOAD_ENV
+from ddp_notebook._environment import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV
 
 OWNER_POLL_SECONDS = 1.0
 CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
@@ -39,6 +42,11 @@ def watch_owner() -> None:
     """Exit this process once the owning kernel is gone (polls, never blocks start-up)."""
     text = os.environ.get(OWNER_PID_ENV, "")
     if not text.isdigit():
+        return
+    owner_host = os.environ.get(OWNER_HOST_ENV)
+    if owner_host is not None and owner_host != socket.gethostname():
+        # on another host the kernel's PID means nothing: such ranks exit when the
+        # controller's heartbeats stop (ipyparallel's own engine-side check)
         return
     owner_pid, parent_pid = int(text), os.getppid()
 
@@ -79,10 +87,38 @@ def _preload() -> None:
         pass
 
 
+def _wait_for_connection_file(limit: float = 120.0) -> None:
+    """Wait until the controller's engine connection file is complete.
+
+    The controller writes it in place; ipyparallel's engine reads it as soon as it exists
+    and dies on a half-written file (seen on a loaded machine). Only a parseable file counts.
+    """
+    if os.environ.get("IPP_CONNECTION_INFO"):
+        return  # the connection info came in the environment
+    cluster_id, profile_dir = os.environ.get("IPP_CLUSTER_ID"), os.environ.get("IPP_PROFILE_DIR")
+    if cluster_id is None or not profile_dir:
+        return
+    name = f"ipcontroller-{cluster_id}-engine.json" if cluster_id else "ipcontroller-engine.json"
+    path = os.path.join(profile_dir, "security", name)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                json.load(handle)
+            return
+        except (OSError, ValueError):
+            time.sleep(0.02)
+
+
 def engine_main() -> None:
     watch_owner()
+    if "--mpi" in sys.argv and importlib.util.find_spec("mpi4py") is None:
+        # ipyparallel's MPI launcher asks engines to take their id from mpi4py; ranks are
+        # numbered from the launcher's environment instead, so mpi4py is optional
+        sys.argv.remove("--mpi")
     if os.environ.get(PRELOAD_ENV, "1") != "0":
         threading.Thread(target=_preload, name="ddp-preload", daemon=True).start()
+    _wait_for_connection_file()
     from ipyparallel.engine.app import main
 
     main()

@@ -18,15 +18,34 @@ def call_rank(function_name: str, *args: Any) -> Any:
     return getattr(module, function_name)(*args)
 
 
+def call_network(function_name: str, *args: Any) -> Any:
+    """Call `ddp_notebook.network.<function_name>(*args)` on the rank (no torch needed)."""
+    import importlib
+
+    module = importlib.import_module("ddp_notebook.network")
+    return getattr(module, function_name)(*args)
+
+
 def describe() -> dict[str, Any]:
     """Identity of this rank process (no torch needed), used to build the rank map."""
     import os
     import socket
 
     from ddp_notebook._environment import SLOT_ENV
+    from ddp_notebook.devices import visible_gpus
+    from ddp_notebook.layout import LAUNCHER_RANK_VARIABLES
 
     slot = os.environ.get(SLOT_ENV, "")
-    return {"slot": int(slot) if slot.isdigit() else None, "host": socket.gethostname(), "pid": os.getpid()}
+    launcher_rank = next(
+        (int(os.environ[name]) for name in LAUNCHER_RANK_VARIABLES if os.environ.get(name, "").isdigit()), None
+    )
+    return {
+        "slot": int(slot) if slot.isdigit() else None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "launcher_rank": launcher_rank,
+        "gpus": list(visible_gpus()),
+    }
 
 
 def pull_names(names: list[str]) -> dict[str, Any]:

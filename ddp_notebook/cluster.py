@@ -18,12 +18,13 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _remote, channel, config, devices, health, processes
-from ._environment import OWNER_PID_ENV, SLOT_ENV
+from . import _remote, channel, config, devices, health, layout, processes
+from ._environment import OWNER_HOST_ENV, OWNER_PID_ENV, SLOT_ENV
 from .cells import check_syntax
 from .errors import (
     CellInterruptedError,
@@ -51,6 +52,12 @@ _COLLECTIVE_ERROR = re.compile(
     r"DistNetworkError|Default process group has not been initialized",
 )
 STOP_SECONDS = 10.0
+# engine set of a world started through a launcher that starts all ranks at once (mpi, slurm, ssh...)
+WORLD_ENGINE_SET = "world"
+
+
+class InsecureNetworkWarning(UserWarning):
+    """The world's torch.distributed traffic crosses a network: it is neither encrypted nor authenticated."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,9 @@ class RankInfo:
     device_name: str
     gpu: str | None
     main_thread: int | None = None
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,11 +128,38 @@ class DDPCluster:
         cell_timeout: float | None = None,
         start_timeout: float = config.DEFAULT_START_TIMEOUT,
         env: dict[str, str] | None = None,
-        ip: str = "127.0.0.1",
+        ip: str | None = None,
         curve: bool = False,
+        launcher: str = "local",
+        hosts: str | Mapping[str, int] | None = None,
+        partition: str | None = None,
+        account: str | None = None,
+        time_limit: str | None = None,
+        mpi_args: str | Iterable[str] | None = None,
+        ssh_args: str | Iterable[str] | None = None,
+        settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
+        profile: str | None = None,
+        python: str | None = None,
+        attach: config.AttachTarget | None = None,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
     ) -> None:
+        launch = config.LaunchConfig(
+            launcher=launcher,
+            profile=profile,
+            settings=config.launcher_settings(
+                launcher,
+                hosts=hosts,
+                partition=partition,
+                account=account,
+                time_limit=time_limit,
+                mpi_args=mpi_args if mpi_args is None or isinstance(mpi_args, str) else list(mpi_args),
+                ssh_args=ssh_args if ssh_args is None or isinstance(ssh_args, str) else list(ssh_args),
+                settings=settings if isinstance(settings, Mapping) else list(settings),
+            ),
+            python=python or sys.executable,
+            attach=attach,
+        )
         self.config = config.resolve(
             n_ranks,
             backend=backend,
@@ -133,6 +170,7 @@ class DDPCluster:
             env=env,
             ip=ip,
             curve=curve,
+            launch=launch,
         )
         self._stdout = stdout
         self._stderr = stderr
@@ -141,7 +179,11 @@ class DDPCluster:
         self._private_dir: str | None = None
         self._views: dict[tuple[int, ...], Any] = {}
         self._ranks: dict[int, RankInfo] = {}
-        self._slot_of_rank: dict[int, int] = {}
+        self._placements: list[layout.Placement] = []
+        # per rank: (MASTER_ADDR, interface toward it); kept for heals
+        self._network: dict[int, tuple[str, str | None]] = {}
+        self._backend: str | None = None
+        self._clear_namespaces = False
         self.start_seconds: float | None = None
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = channel.Recorder()
@@ -158,9 +200,45 @@ class DDPCluster:
     def running(self) -> bool:
         return self._client is not None
 
+    @classmethod
+    def attach_to(
+        cls,
+        url_file: str | None = None,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        n_ranks: int | None = None,
+        **options: Any,
+    ) -> DDPCluster:
+        """A world built from the engines of an ipyparallel cluster started elsewhere.
+
+        Find it by its client connection file (`ipcontroller-client.json`), or by profile and
+        cluster id (`ipcluster start --profile P --cluster-id C`). `n_ranks`: wait for that
+        many engines (default: the ones registered now). `stop()` lets go of the engines and
+        leaves them running: they belong to whoever started them.
+        """
+        target = config.AttachTarget(url_file=url_file, profile=profile, cluster_id=cluster_id)
+        return cls(n_ranks, attach=target, **options)
+
     @property
     def world_size(self) -> int:
-        return self.config.n_ranks
+        if self._placements:
+            return len(self._placements)
+        return self.config.n_ranks or 0
+
+    @property
+    def backend(self) -> str:
+        """nccl or gloo (for ranks started elsewhere: decided once they reported their GPUs)."""
+        return self._backend or str(self.config.backend)
+
+    @property
+    def attached(self) -> bool:
+        return self.config.launch.attach is not None
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts the ranks run on, in rank order."""
+        return tuple(dict.fromkeys(info.host for info in self.ranks))
 
     @property
     def metrics(self) -> channel.Metrics:
@@ -181,7 +259,7 @@ class DDPCluster:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"<DDPCluster {self.config.n_ranks} ranks, {self.config.backend}, {state}>"
+        return f"<DDPCluster {self.world_size} ranks, {self.backend}, {state}>"
 
     def start(self) -> DDPCluster:
         """Start the controller and the ranks, and join them into one process group."""
@@ -190,10 +268,20 @@ class DDPCluster:
         began = time.perf_counter()
         # for files only this user may read: the ranks' stack dumps
         self._private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
+        deadline = began + self.config.start_timeout
         try:
-            self._launch()
-            engine_of_slot = self._wait_for_ranks(began + self.config.start_timeout)
-            self._init_process_group(engine_of_slot, began + self.config.start_timeout)
+            if self.attached:
+                self._connect_attached()
+            elif self.config.launch.is_local:
+                self._launch()
+            else:
+                self._launch_elsewhere()
+            identities = self._wait_for_ranks(deadline)
+            if self._clear_namespaces:
+                self._client.clear(targets=[i.engine_id for i in identities], block=True)
+            self._place(identities)
+            self._plan_network(deadline)
+            self._init_process_group(deadline)
         except BaseException as failure:
             self._teardown()
             if isinstance(failure, (DDPError, KeyboardInterrupt)):
@@ -206,10 +294,16 @@ class DDPCluster:
     def restart(self) -> DDPCluster:
         """Stop this world (whatever state it is in) and start a full one with the same settings.
 
-        The ranks are new processes: their Python state is gone.
+        The ranks are new processes: their Python state is gone. An attached world cannot
+        start processes: its engines' namespaces are cleared instead, and a lost engine must
+        be started again where the cluster runs.
         """
         self.stop()
-        return self.start()
+        self._clear_namespaces = self.attached
+        try:
+            return self.start()
+        finally:
+            self._clear_namespaces = False
 
     def stop(self) -> bool:
         """Stop every rank and the controller. Returns False if nothing was running."""
@@ -233,11 +327,7 @@ class DDPCluster:
             # connection file in the (user-private) profile security directory
             send_engines_connection_env=False,
             controller_ip=cfg.master_addr,
-            controller_args=[
-                f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-                *(["--IPController.enable_curve=True"] if cfg.curve else []),
-            ],
+            controller_args=self._controller_args(),
             # ipyparallel logs every engine's log file when it exits non-zero; our own
             # messages say what matters, in one line
             log_level=logging.ERROR,
@@ -278,90 +368,265 @@ class DDPCluster:
                 ],
                 delay=0,
             )
-            self._slot_of_rank[slot] = slot
         self._client = self._cluster.connect_client_sync()
 
-    def _wait_for_ranks(self, deadline: float) -> dict[int, int]:
-        n = self.config.n_ranks
+    def _launch_elsewhere(self) -> None:
+        """Start the controller here and every rank through one ipyparallel engine launcher."""
+        import ipyparallel as ipp
+        from traitlets.config import Config
+
+        cfg = self.config
+        launch = cfg.launch
+        settings = Config({name: dict(traits) for name, traits in launch.settings.items()})
+        options: dict[str, Any] = {"profile": launch.profile} if launch.profile else {}
+        self._cluster = ipp.Cluster(
+            n=0,
+            delay=0,
+            cluster_file="",
+            engines=launch.launcher,
+            config=settings,
+            controller_ip=cfg.master_addr,
+            controller_args=self._controller_args(),
+            log_level=logging.ERROR,
+            **options,
+        )
+        owner = {OWNER_PID_ENV: str(os.getpid()), OWNER_HOST_ENV: socket.gethostname()}
+        self._cluster.start_controller_sync(
+            controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
+            environment=dict(owner),
+        )
+        environment = {**cfg.env, **owner, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1"}
+        # the connection info (with the key) goes to the engines in their environment, so no
+        # file has to be copied to their hosts; the nanny lets ranks elsewhere be interrupted
+        self._cluster.start_engines_sync(
+            n=cfg.n_ranks,
+            engine_set_id=WORLD_ENGINE_SET,
+            environment=environment,
+            engine_cmd=[launch.python, "-m", "ddp_notebook._process", "engine"],
+            delay=0,
+        )
+        self._client = self._cluster.connect_client_sync()
+
+    def _connect_attached(self) -> None:
+        import ipyparallel as ipp
+
+        target = self.config.launch.attach
+        assert target is not None
+        arguments: dict[str, Any] = {}
+        if target.url_file:
+            if not os.path.isfile(target.url_file):
+                raise DDPUsageError(
+                    f"no connection file at {target.url_file}: give the cluster's ipcontroller-client.json"
+                )
+            arguments["url_file"] = target.url_file
+        else:
+            if target.profile:
+                arguments["profile"] = target.profile
+            if target.cluster_id is not None:
+                arguments["cluster_id"] = target.cluster_id
+        try:
+            self._client = ipp.Client(timeout=min(10.0, self.config.start_timeout), **arguments)
+        except (OSError, TimeoutError, ValueError) as failure:
+            raise StartError(f"could not connect to the cluster at {target.describe()}: {one_line(failure)}") from None
+
+    def _controller_args(self) -> list[str]:
+        return [
+            f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            *(["--IPController.enable_curve=True"] if self.config.curve else []),
+        ]
+
+    def _wait_for_ranks(self, deadline: float) -> list[layout.EngineIdentity]:
+        wanted = self.config.n_ranks
         client = self._client
-        while len(client.ids) < n:
+        if wanted is None:  # attached, "every engine there": those registered by now
+            wanted = len(client.ids)
+            if wanted == 0:
+                raise StartError(
+                    f"the cluster at {self.config.launch.attach.describe() if self.config.launch.attach else '?'} "
+                    "has no engines yet: start some, or say how many to wait for (%ddp_attach -n N)"
+                )
+        while len(client.ids) < wanted:
             dead = self._exited_slots()
             if dead:
                 slot, detail = dead[0]
-                raise StartError(f"rank {slot} exited while starting{detail}")
+                who = f"rank {slot}" if self.config.launch.is_local else f"the {self.config.launch.launcher} launcher"
+                raise StartError(f"{who} exited while starting{detail}")
             if time.perf_counter() > deadline:
-                raise StartError(
-                    f"only {len(client.ids)} of {n} ranks registered within "
-                    f"{self.config.start_timeout:g} s; raise start_timeout on a slow machine"
-                )
+                raise StartError(self._too_few_message(len(client.ids), wanted))
             time.sleep(0.02)
-        view = client[:]
-        described = view.apply_async(_remote.describe)
-        identities = described.get(timeout=max(1.0, deadline - time.perf_counter()))
-        engine_of_slot: dict[int, int] = {}
-        hosts_pids: dict[int, tuple[str, int]] = {}
-        for engine_id, identity in zip(described.engine_id, identities):
-            slot = identity["slot"]
-            engine_of_slot[slot] = engine_id
-            hosts_pids[slot] = (identity["host"], identity["pid"])
-        self._identities = hosts_pids
-        return engine_of_slot
+        engine_ids = sorted(client.ids)[:wanted] if self.attached else sorted(client.ids)
+        described = client[engine_ids].apply_async(_remote.describe)
+        try:
+            reports = described.get(timeout=max(1.0, deadline - time.perf_counter()))
+        except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
+            raise StartError(f"the ranks did not say who they are: {one_line(failure)}") from None
+        return [
+            layout.EngineIdentity(
+                engine_id=engine_id,
+                host=report["host"],
+                pid=report["pid"],
+                slot=report["slot"],
+                launcher_rank=report.get("launcher_rank"),
+                gpus=tuple(report.get("gpus", ())),
+            )
+            for engine_id, report in zip(described.engine_id, reports)
+        ]
 
-    def _init_process_group(self, engine_of_slot: dict[int, int], deadline: float) -> None:
+    def _too_few_message(self, registered: int, wanted: int) -> str:
+        cfg = self.config
+        message = f"only {registered} of {wanted} ranks registered within {cfg.start_timeout:g} s"
+        if cfg.launch.attach is not None:
+            return message + f" at {cfg.launch.attach.describe()}; start more engines there, or attach with fewer"
+        if cfg.launch.is_local:
+            return message + "; raise start_timeout on a slow machine"
+        hint = f"; ranks on other hosts must reach this machine at {cfg.master_addr}"
+        if config.is_loopback(cfg.master_addr):
+            hint = "; the controller listens on loopback only: give an address the rank hosts reach (--ip ADDRESS)"
+        if cfg.launch.launcher in ("slurm", "pbs", "sge", "lsf", "htcondor"):
+            hint += " (a batch job may also still be waiting in the queue: raise --start-timeout)"
+        return message + hint
+
+    def _place(self, identities: list[layout.EngineIdentity]) -> None:
+        cfg = self.config
+        if cfg.launch.is_local:
+            self._backend = cfg.backend
+            use_gpus = False  # local ranks got their GPU before they started
+        else:
+            has_gpus = layout.gpus_everywhere(identities)
+            if cfg.backend == "nccl" and not has_gpus:
+                raise StartError("backend 'nccl' needs one GPU per rank on every host; use --backend gloo")
+            self._backend = "nccl" if cfg.backend == "nccl" or (cfg.backend == "auto" and has_gpus) else "gloo"
+            use_gpus = self._backend == "nccl"
+        self._placements = layout.place_ranks(identities, use_gpus)
+        self._identities = {p.rank: (p.host, p.pid) for p in self._placements}
+
+    def _plan_network(self, deadline: float) -> None:
+        """Pick MASTER_ADDR and each rank's interface; across hosts, check every rank reaches rank 0."""
+        cfg = self.config
+        placements = self._placements
+        if cfg.launch.is_local or not layout.spans_hosts(placements):
+            # one host: everything stays on its loopback (or on --ip for a local world)
+            address = cfg.master_addr if cfg.launch.is_local else "127.0.0.1"
+            interface = devices.interface_of(address)
+            self._network = {p.rank: (address, interface) for p in placements}
+            return
+        client = self._client
+        engine_of_rank = {p.rank: p.engine_id for p in placements}
+        wait = max(1.0, deadline - time.perf_counter())
+        # rank 0's address on the route to the controller: the hosts reach the controller, so
+        # this is the address of rank 0's host on the network they share
+        rank0 = client[engine_of_rank[0]]
+        destination = cfg.master_addr if not config.is_loopback(cfg.master_addr) else "192.0.2.1"
+        address = rank0.apply_async(_remote.call_network, "source_address", destination).get(timeout=wait)
+        if not address:
+            raise StartError(f"rank 0 on {placements[0].host} has no route to {destination}")
+        port = rank0.apply_async(_remote.call_network, "open_probe", address).get(timeout=wait)
+        try:
+            checks = {
+                p.rank: client[p.engine_id].apply_async(_remote.call_network, "reach", address, port)
+                for p in placements
+            }
+            unreachable = []
+            for placement in placements:
+                result = checks[placement.rank].get(timeout=max(1.0, deadline - time.perf_counter()) + 10)
+                if result["error"]:
+                    unreachable.append(f"rank {placement.rank} on {placement.host}: {result['error']}")
+                self._network[placement.rank] = (address, result["interface"])
+        finally:
+            rank0.apply_async(_remote.call_network, "close_probe").get(timeout=10)
+        if unreachable:
+            raise StartError(
+                f"rank 0 on {placements[0].host} listens at {address}, and "
+                f"{'; '.join(unreachable)}: open TCP between the hosts (firewall), or start rank 0 on a host the "
+                "others reach"
+            )
+        warnings.warn(
+            InsecureNetworkWarning(
+                f"the ranks span {len(set(p.host for p in placements))} hosts: torch.distributed's rendezvous and "
+                "gloo/NCCL traffic between them is neither encrypted nor authenticated; run this only on a "
+                "network you trust (ipyparallel's own messages are encrypted with CurveZMQ)"
+            ),
+            stacklevel=3,
+        )
+
+    def _init_process_group(self, deadline: float) -> None:
         cfg = self.config
         client = self._client
+        placements = self._placements
+        rank0_address = self._network[0][0]
         try:
             port = (
-                client[engine_of_slot[0]]
-                .apply_async(_remote.call_rank, "open_rendezvous", cfg.master_addr)
+                client[placements[0].engine_id]
+                .apply_async(_remote.call_rank, "open_rendezvous", rank0_address)
                 .get(timeout=max(1.0, deadline - time.perf_counter()))
             )
         except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
             raise StartError(f"rank 0 could not set up torch.distributed: {one_line(failure)}") from None
         pending = {}
-        for slot, engine_id in engine_of_slot.items():
+        for placement in placements:
+            address, interface = self._network[placement.rank]
             spec = {
-                "rank": slot,
-                "world_size": cfg.n_ranks,
-                "local_rank": slot,
-                "local_world_size": cfg.n_ranks,
-                "group_rank": 0,
-                "master_addr": cfg.master_addr,
+                "rank": placement.rank,
+                "world_size": len(placements),
+                "local_rank": placement.local_rank,
+                "local_world_size": placement.local_world_size,
+                "group_rank": placement.group_rank,
+                "master_addr": address,
                 "master_port": port,
-                "backend": cfg.backend,
+                "backend": self.backend,
                 "timeout": cfg.timeout,
                 "threads": cfg.threads_per_rank,
-                "stack_dir": self._private_dir,
+                "stack_dir": self._private_dir if placement.host == socket.gethostname() else None,
+                "gpu": placement.gpu,
+                # a user's own GLOO/NCCL_SOCKET_IFNAME (env=...) wins over the route's
+                "socket_ifname": None if "GLOO_SOCKET_IFNAME" in cfg.env else interface,
             }
-            pending[slot] = client[engine_id].apply_async(_remote.call_rank, "init_world", spec)
-        for slot, result in pending.items():
+            pending[placement.rank] = client[placement.engine_id].apply_async(_remote.call_rank, "init_world", spec)
+        for placement in placements:
+            rank = placement.rank
             try:
-                info = result.get(timeout=max(1.0, deadline - time.perf_counter()))
+                info = pending[rank].get(timeout=max(1.0, deadline - time.perf_counter()))
             except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
-                raise StartError(f"rank {slot} could not set up torch.distributed: {one_line(failure)}") from None
-            host, pid = self._identities[slot]
-            self._ranks[slot] = RankInfo(
-                rank=slot,
-                engine_id=engine_of_slot[slot],
-                host=host,
-                pid=pid,
+                raise StartError(
+                    f"rank {rank} on {placement.host} could not set up torch.distributed: {one_line(failure)}"
+                ) from None
+            self._ranks[rank] = RankInfo(
+                rank=rank,
+                engine_id=placement.engine_id,
+                host=placement.host,
+                pid=placement.pid,
                 device=info["device"],
                 device_name=info["device_name"],
-                gpu=cfg.gpus[slot] if cfg.gpus else None,
+                gpu=cfg.gpus[rank] if cfg.gpus else placement.gpu,
                 main_thread=info.get("main_thread"),
+                local_rank=placement.local_rank,
+                local_world_size=placement.local_world_size,
+                group_rank=placement.group_rank,
             )
 
-    def _exit_code(self, slot: int) -> tuple[int | None, str] | None:
-        """(exit code or None if unknown, log file) of a rank process that has exited; None while it runs."""
+    def _engine_set_of(self, rank: int) -> Any:
+        if self._cluster is None:
+            return None
+        set_id = _engine_set_id(rank) if self.config.launch.is_local else WORLD_ENGINE_SET
+        return self._cluster.engines.get(set_id)
+
+    def _exit_code(self, rank: int) -> tuple[int | None, str] | None:
+        """(exit code or None if unknown, log file) of a launcher process that has exited; None while it runs.
+
+        Locally launched worlds have one launcher per rank; others one for all (mpiexec, one
+        ssh per host, none that stays for a batch job).
+        """
         import psutil  # ipyparallel depends on it
 
-        engine_set = self._cluster.engines.get(_engine_set_id(slot)) if self._cluster is not None else None
+        engine_set = self._engine_set_of(rank)
         if engine_set is None:
             return None
         recorded = processes.recorded_exit(engine_set)
         if recorded is not None:
             return recorded, ""
-        for launcher in getattr(engine_set, "launchers", {}).values():
+        launchers = getattr(engine_set, "launchers", None)
+        for launcher in launchers.values() if launchers else [engine_set]:
             log_file = getattr(launcher, "output_file", "")
             process = getattr(launcher, "process", None)
             if process is None:
@@ -372,7 +637,7 @@ class DDPCluster:
                 continue  # still running
             except psutil.Error:  # reaped by the launcher's wait thread in the meantime
                 return None, log_file
-        info = self._ranks.get(slot)
+        info = self._ranks.get(rank)
         if info is not None and info.host == socket.gethostname() and not processes.pid_alive(info.pid):
             # gone, but its launcher has not recorded how yet: give it a moment to
             deadline = time.monotonic() + 0.5
@@ -386,7 +651,8 @@ class DDPCluster:
 
     def _exited_slots(self) -> list[tuple[int, str]]:
         exited = []
-        for slot in range(self.config.n_ranks):
+        slots = range(self.config.n_ranks or 0) if self.config.launch.is_local else [0]
+        for slot in slots:
             found = self._exit_code(slot)
             if found is not None:
                 code, log_file = found
@@ -397,10 +663,27 @@ class DDPCluster:
     def _dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
         """Ranks among `ranks` whose process is gone, with how each one ended."""
         dead = {}
+        if self.config.launch.is_local:
+            for rank in ranks:
+                found = self._exit_code(rank)
+                if found is not None:
+                    dead[rank] = processes.describe_exit(found[0])
+            return dead
+        # ranks elsewhere: a local PID can be checked; a remote rank is known lost once the
+        # controller stops hearing its heartbeat (it then unregisters the engine)
+        registered = set(self._client.ids) if self._client is not None else set()
+        here = socket.gethostname()
         for rank in ranks:
-            found = self._exit_code(self._slot_of_rank[rank])
-            if found is not None:
-                dead[rank] = processes.describe_exit(found[0])
+            info = self._ranks.get(rank)
+            if info is None:
+                continue
+            if info.host == here and not processes.pid_alive(info.pid):
+                dead[rank] = "exited"
+            elif info.engine_id not in registered:
+                dead[rank] = (
+                    f"on {info.host} was lost (it stopped answering the controller: its process, host or network "
+                    "went down)"
+                )
         return dead
 
     def _leave_process_group(self) -> None:
@@ -427,9 +710,20 @@ class DDPCluster:
         self._cluster = None
         self._ranks = {}
         self._views = {}
+        self._placements = []
+        self._network = {}
         self.broken = {}
         self.state = "stopped"
         self.needs_heal = False
+        if self.attached:
+            # the engines belong to whoever started them: let go, leave them running
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:
+                    log.debug("closing the client failed", exc_info=True)
+            self._remove_private_dir()
+            return
         pids = self._started_pids(cluster)
         # the controller forks helpers (schedulers, hub); a rank may have DataLoader workers
         family = pids + processes.descendants(pids)
@@ -452,6 +746,9 @@ class DDPCluster:
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
             processes.kill_survivors(family)
+        self._remove_private_dir()
+
+    def _remove_private_dir(self) -> None:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
@@ -591,8 +888,7 @@ class DDPCluster:
         all_engines = [info.engine_id for info in self.ranks]
         try:
             client[all_engines].apply_async(_remote.call_rank, "release_group").get(timeout=30)
-            engine_of_slot = {self._slot_of_rank[info.rank]: info.engine_id for info in self.ranks}
-            self._init_process_group(engine_of_slot, time.perf_counter() + self.config.start_timeout)
+            self._init_process_group(time.perf_counter() + self.config.start_timeout)
         except DDPError:
             self.state = "broken"
             raise
@@ -617,16 +913,39 @@ class DDPCluster:
         return view
 
     def _signal(self, ranks: Iterable[int], signum: int) -> None:
+        if not self.config.launch.is_local:
+            self._signal_elsewhere(ranks, signum)
+            return
         cluster = self._cluster
         if cluster is None:
             return
         for rank in ranks:
-            engine_set = cluster.engines.get(_engine_set_id(self._slot_of_rank[rank]))
+            engine_set = cluster.engines.get(_engine_set_id(rank))
             if engine_set is not None:
                 try:
                     engine_set.signal(signum)
                 except Exception:
                     log.debug("signal to rank %s failed", rank, exc_info=True)
+
+    def _signal_elsewhere(self, ranks: Iterable[int], signum: int) -> None:
+        # a rank on this host gets the signal directly; one elsewhere through its engine's
+        # nanny (ipyparallel's signal request, sent over the control channel)
+        here = socket.gethostname()
+        remote = []
+        for rank in ranks:
+            info = self._ranks[rank]
+            if info.host == here and processes.pid_alive(info.pid):
+                try:
+                    os.kill(info.pid, signum)
+                except OSError:
+                    log.debug("signal to rank %s failed", rank, exc_info=True)
+            else:
+                remote.append(info.engine_id)
+        if remote and self._client is not None:
+            try:
+                self._client.send_signal(signum, targets=remote, block=False)
+            except Exception:
+                log.debug("signal to engines %s failed", remote, exc_info=True)
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""
@@ -694,7 +1013,7 @@ class DDPCluster:
         """State (idle/busy/gone), host, pid, device and memory of every rank."""
         client = self._require_running(allow_broken=True)
         queues = client.queue_status()
-        gpu_memory = devices.gpu_memory_by_pid() if self.config.gpus else {}
+        gpu_memory = devices.gpu_memory_by_pid() if any(info.gpu for info in self.ranks) else {}
         local_host = socket.gethostname()
         rows = []
         for info in self.ranks:
@@ -729,7 +1048,7 @@ class DDPCluster:
         return self._client
 
     def _select(self, ranks: Iterable[int] | str | None) -> tuple[int, ...]:
-        size = self.config.n_ranks
+        size = self.world_size
         if ranks is None:
             return tuple(range(size))
         if isinstance(ranks, str):

@@ -6,16 +6,24 @@ leaves nothing behind (as accelerate's launchers do).
 
 from __future__ import annotations
 
+import ast
 import ipaddress
 import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from . import devices
 from .errors import DDPUsageError
 
 Backend = Literal["gloo", "nccl"]
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
+# ipyparallel's engine launchers we start worlds with ("local": one process per rank, here)
+LAUNCHERS = ("local", "mpi", "slurm", "ssh", "pbs", "sge", "lsf", "htcondor")
+# launchers whose ranks usually run on other hosts: the controller listens beyond loopback
+_REMOTE_LAUNCHERS = ("slurm", "ssh", "pbs", "sge", "lsf", "htcondor")
 
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
@@ -30,8 +38,8 @@ class WorldConfig:
     `timeout` bounds every collective (torch's default of 30 minutes would freeze a notebook).
     """
 
-    n_ranks: int
-    backend: Backend
+    n_ranks: int | None  # None only when attaching: every engine the cluster has
+    backend: Backend | Literal["auto"]  # "auto" only for ranks elsewhere: decided once they report
     gpus: tuple[str, ...] = ()
     timeout: float = DEFAULT_COLLECTIVE_TIMEOUT
     cell_timeout: float | None = None
@@ -40,13 +48,14 @@ class WorldConfig:
     curve: bool = False  # CurveZMQ encryption of ipyparallel's traffic
     threads_per_rank: int = 1
     env: dict[str, str] = field(default_factory=dict)
+    launch: LaunchConfig = field(default_factory=lambda: LaunchConfig())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_ranks, int) or isinstance(self.n_ranks, bool) or self.n_ranks < 1:
-            raise DDPUsageError(f"number of ranks must be a whole number >= 1, got {self.n_ranks!r}")
-        if self.backend not in ("gloo", "nccl"):
+        if self.n_ranks is not None or self.launch.attach is None:
+            _check_rank_count(self.n_ranks)
+        if self.backend not in ("gloo", "nccl") and not (self.backend == "auto" and not self.launch.is_local):
             raise DDPUsageError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.backend == "nccl":
+        if self.backend == "nccl" and self.launch.is_local:
             if not self.gpus:
                 raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo")
             if len(self.gpus) != self.n_ranks:
@@ -54,6 +63,10 @@ class WorldConfig:
                     f"{self.n_ranks} ranks need {self.n_ranks} GPUs with nccl, "
                     f"{len(self.gpus)} given ({','.join(self.gpus)})"
                 )
+        if self.gpus and not self.launch.is_local:
+            raise DDPUsageError(
+                "--gpus chooses GPUs of this machine; ranks started elsewhere use their host's GPUs by LOCAL_RANK"
+            )
         if self.gpus and len(self.gpus) != self.n_ranks:
             raise DDPUsageError(f"{len(self.gpus)} GPUs given for {self.n_ranks} ranks: give one GPU per rank")
         if len(set(self.gpus)) != len(self.gpus):
@@ -74,6 +87,45 @@ class WorldConfig:
         return "cuda" if self.gpus else "cpu"
 
 
+@dataclass(frozen=True)
+class AttachTarget:
+    """An ipyparallel cluster started elsewhere, found by connection file or profile + cluster id."""
+
+    url_file: str | None = None
+    profile: str | None = None
+    cluster_id: str | None = None
+
+    def describe(self) -> str:
+        if self.url_file:
+            return self.url_file
+        return f"profile {self.profile or 'default'}" + (f", cluster {self.cluster_id}" if self.cluster_id else "")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the ranks are started: which ipyparallel launcher, with which of its settings.
+
+    `settings` is ipyparallel (traitlets) configuration, {class name: {trait: value}}, merged
+    over the profile's `ipcluster_config.py`; `python` is the interpreter ranks run with
+    (the same path must exist on every host); `attach` connects to a running cluster instead.
+    """
+
+    launcher: str = "local"
+    profile: str | None = None
+    settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    python: str = sys.executable
+    attach: AttachTarget | None = None
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise DDPUsageError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
+
+    @property
+    def is_local(self) -> bool:
+        """Ranks started here, one process per rank (the rank's env and GPU set before it starts)."""
+        return self.launcher == "local" and self.attach is None
+
+
 def _check_seconds(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
         raise DDPUsageError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -88,8 +140,9 @@ def resolve(
     cell_timeout: float | None = None,
     start_timeout: float = DEFAULT_START_TIMEOUT,
     env: dict[str, str] | None = None,
-    ip: str = "127.0.0.1",
+    ip: str | None = None,
     curve: bool = False,
+    launch: LaunchConfig | None = None,
 ) -> WorldConfig:
     """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
 
@@ -97,14 +150,23 @@ def resolve(
     - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
     - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
       does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores;
-    - `ip`: where the controller and the rendezvous listen (loopback unless asked); beyond
-      loopback, CurveZMQ encryption is always on.
+    - `ip`: where the controller listens: loopback unless asked, or for launchers that start
+      ranks on other hosts (ssh, slurm, ...) this machine's address on its default route;
+      beyond loopback, CurveZMQ encryption is always on;
+    - ranks started elsewhere (`launch`: mpi, slurm, ssh..., or attaching): their number may
+      come from the launch (ssh hosts, the attached cluster), their backend and GPUs from what
+      their hosts have, found once they report.
     """
-    address = parse_ip(ip)
+    launch = launch or LaunchConfig()
+    address = parse_ip(ip) if ip is not None else _default_address(launch)
     if not is_loopback(address) and devices.interface_of(address) is None:
         raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
     if backend not in BACKEND_CHOICES:
         raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
+    if not launch.is_local:
+        return _resolve_elsewhere(
+            n_ranks, backend, gpus, timeout, cell_timeout, start_timeout, env, address, curve, launch
+        )
     chosen_gpus = _parse_gpus(gpus) if gpus is not None else None
     available = devices.visible_gpus()
     if chosen_gpus is None:
@@ -154,6 +216,162 @@ def resolve(
         master_addr=address,
         curve=curve or not is_loopback(address),
     )
+
+
+def _resolve_elsewhere(
+    n_ranks: int | None,
+    backend: str,
+    gpus: object,
+    timeout: float,
+    cell_timeout: float | None,
+    start_timeout: float,
+    env: dict[str, str] | None,
+    address: str,
+    curve: bool,
+    launch: LaunchConfig,
+) -> WorldConfig:
+    if gpus is not None:
+        raise DDPUsageError(
+            "--gpus chooses GPUs of this machine; ranks started elsewhere use their host's GPUs by LOCAL_RANK"
+        )
+    host_total = ssh_host_total(launch.settings)
+    if n_ranks is None:
+        n_ranks = host_total
+    if n_ranks is None and launch.attach is None:
+        raise DDPUsageError(f"say how many ranks to start with the {launch.launcher} launcher, e.g. %ddp_start 4")
+    if n_ranks is not None and host_total is not None and n_ranks != host_total:
+        raise DDPUsageError(f"{n_ranks} ranks asked for but the ssh hosts list {host_total} engines")
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return WorldConfig(
+        n_ranks=n_ranks,
+        backend=backend,  # type: ignore[arg-type]
+        timeout=timeout,
+        cell_timeout=cell_timeout,
+        start_timeout=start_timeout,
+        # ranks elsewhere share their host's cores with unknown neighbours: torchrun's default
+        threads_per_rank=int(threads) if threads.isdigit() and int(threads) > 0 else 1,
+        env=dict(env or {}),
+        master_addr=address,
+        curve=curve or not is_loopback(address),
+        launch=launch,
+    )
+
+
+def _default_address(launch: LaunchConfig) -> str:
+    if launch.launcher not in _REMOTE_LAUNCHERS:
+        return "127.0.0.1"
+    from .network import primary_address
+
+    address = primary_address()
+    if address is None:
+        raise DDPUsageError(
+            f"the {launch.launcher} launcher starts ranks on other hosts, and this machine has no address "
+            "they could reach it at; give one with --ip ADDRESS"
+        )
+    return address
+
+
+def ssh_host_total(settings: Mapping[str, Mapping[str, Any]]) -> int | None:
+    """How many engines the SSH launcher's host list starts (None: no host list)."""
+    engines = settings.get("SSHEngineSetLauncher", {}).get("engines")
+    if not engines:
+        return None
+    total = 0
+    for count in engines.values():
+        total += count[0] if isinstance(count, (tuple, list)) else int(count)
+    return total
+
+
+def parse_hosts(text: str) -> dict[str, int]:
+    """'node1,node2:2' -> {'node1': 1, 'node2': 2} (engines per host, for the SSH launcher)."""
+    hosts: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, colon, count_text = part.rpartition(":") if ":" in part else (part, "", "1")
+        if not colon:
+            host = part
+        try:
+            count = int(count_text)
+        except ValueError:
+            raise DDPUsageError(f"cannot read host '{part}': write HOST or HOST:RANKS, e.g. node1:2,node2:2") from None
+        if not host or count < 1:
+            raise DDPUsageError(f"cannot read host '{part}': write HOST or HOST:RANKS with RANKS >= 1")
+        hosts[host] = hosts.get(host, 0) + count
+    if not hosts:
+        raise DDPUsageError("--hosts needs at least one host, e.g. --hosts node1:2,node2:2")
+    return hosts
+
+
+def parse_setting(text: str) -> tuple[str, str, Any]:
+    """'Class.trait=value' (ipyparallel configuration) -> (class, trait, value).
+
+    The value is read as a Python literal where it is one (numbers, lists, dicts, quoted
+    strings), else taken as a plain string, as on ipcluster's command line.
+    """
+    name, equals, value_text = text.partition("=")
+    class_name, dot, trait = name.strip().lstrip("-").rpartition(".")
+    if not equals or not dot or not class_name.isidentifier() or not trait.isidentifier():
+        raise DDPUsageError(
+            f"cannot read setting '{text}': write Class.trait=value, e.g. SlurmEngineSetLauncher.qos=high"
+        )
+    try:
+        value: Any = ast.literal_eval(value_text.strip())
+    except (ValueError, SyntaxError):
+        value = value_text.strip()
+    return class_name, trait, value
+
+
+def launcher_settings(
+    launcher: str,
+    *,
+    hosts: str | Mapping[str, int] | None = None,
+    partition: str | None = None,
+    account: str | None = None,
+    time_limit: str | None = None,
+    mpi_args: str | Sequence[str] | None = None,
+    ssh_args: str | Sequence[str] | None = None,
+    settings: Sequence[str] | Mapping[str, Mapping[str, Any]] = (),
+) -> dict[str, dict[str, Any]]:
+    """The ipyparallel configuration for common launcher options, plus any `Class.trait=value`."""
+    merged: dict[str, dict[str, Any]] = {}
+
+    def put(class_name: str, trait: str, value: Any) -> None:
+        merged.setdefault(class_name, {})[trait] = value
+
+    def wrong(option: str, needs: str) -> DDPUsageError:
+        return DDPUsageError(f"{option} is for the {needs} launcher; this world uses --launcher {launcher}")
+
+    if hosts is not None:
+        if launcher != "ssh":
+            raise wrong("--hosts", "ssh")
+        put("SSHEngineSetLauncher", "engines", dict(parse_hosts(hosts) if isinstance(hosts, str) else hosts))
+    for option, trait, value in (("--partition", "queue", partition), ("--account", "account", account),
+                                 ("--time", "timelimit", time_limit)):  # fmt: skip
+        if value is not None:
+            if launcher != "slurm":
+                raise wrong(option, "slurm")
+            put("SlurmEngineSetLauncher", trait, value)
+    if mpi_args is not None:
+        if launcher != "mpi":
+            raise wrong("--mpi-args", "mpi")
+        put("MPIEngineSetLauncher", "mpi_args", shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args))
+    if ssh_args is not None:
+        if launcher != "ssh":
+            raise wrong("--ssh-args", "ssh")
+        split = shlex.split(ssh_args) if isinstance(ssh_args, str) else list(ssh_args)
+        put("SSHLauncher", "ssh_args", split)
+        if "-p" not in split:  # scp spells the port -P; the rest (-F, -i, -o, -J) is shared
+            put("SSHLauncher", "scp_args", split)
+    if isinstance(settings, Mapping):
+        for class_name, traits in settings.items():
+            for trait, value in traits.items():
+                put(class_name, trait, value)
+    else:
+        for text in settings:
+            put(*parse_setting(text))
+    return merged
 
 
 def parse_ip(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -12,11 +13,45 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import config
 from .channel import Feed, Metrics, Recorder
-from .cluster import CellResult, DDPCluster
+from .cluster import CellResult, DDPCluster, InsecureNetworkWarning
 from .errors import CellInterruptedError, CellTimeoutError, DDPUsageError
 from .report import format_start_summary, format_status, format_values
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _world_options(method: F) -> F:
+    """The options %ddp_start and %ddp_attach share: time limits."""
+    for decorator in reversed(
+        (
+            argument(
+                "--timeout",
+                type=float,
+                default=config.DEFAULT_COLLECTIVE_TIMEOUT,
+                help="seconds a collective may wait before it fails (default: %(default)s)",
+            ),
+            argument(
+                "--cell-timeout", type=float, default=None, help="default time limit of each %%%%ddp cell, seconds"
+            ),
+            argument(
+                "--start-timeout",
+                type=float,
+                default=config.DEFAULT_START_TIMEOUT,
+                help="seconds to wait for the ranks to come up (default: %(default)s)",
+            ),
+        )
+    ):
+        method = decorator(method)
+    return method
+
+
+def _network_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, InsecureNetworkWarning)]
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in config.BACKEND_CHOICES:
+        raise DDPUsageError(f"--backend must be one of {', '.join(config.BACKEND_CHOICES)}, got '{backend}'")
 
 
 def _usage_errors(method: F) -> F:
@@ -48,30 +83,41 @@ class DDPMagics(Magics):
     @argument("n", nargs="?", default=None, help="number of ranks (default: one per visible GPU; CPU: up to 4)")
     @argument("--backend", default="auto", help="auto (nccl with GPUs, gloo without), nccl or gloo")
     @argument("--gpus", default=None, help="GPUs to use, one per rank, e.g. 0,1")
-    @argument(
-        "--timeout",
-        type=float,
-        default=config.DEFAULT_COLLECTIVE_TIMEOUT,
-        help="seconds a collective may wait before it fails (default: %(default)s)",
-    )
-    @argument("--cell-timeout", type=float, default=None, help="default time limit of each %%%%ddp cell, seconds")
-    @argument(
-        "--start-timeout",
-        type=float,
-        default=config.DEFAULT_START_TIMEOUT,
-        help="seconds to wait for the ranks to come up (default: %(default)s)",
-    )
-    @argument("--ip", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    @_world_options
+    @argument("--ip", default=None, help="address the controller listens on (default: loopback for local ranks)")
     @argument("--curve", action="store_true", help="encrypt ipyparallel's traffic (always on beyond loopback)")
+    @argument(
+        "--launcher",
+        default="local",
+        help=f"how ranks are started: {', '.join(config.LAUNCHERS)} (ipyparallel's launchers; default: local)",
+    )
+    @argument("--profile", default=None, help="ipyparallel profile whose ipcluster_config.py to use")
+    @argument("--hosts", default=None, help="ssh: hosts and ranks per host, e.g. node1:2,node2:2")
+    @argument("--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster_config"')
+    @argument("--partition", default=None, help="slurm: partition")
+    @argument("--account", default=None, help="slurm: account")
+    @argument("--time", default=None, help="slurm: time limit, e.g. 1:00:00")
+    @argument("--mpi-args", default=None, help='mpi: extra mpiexec arguments, e.g. "--hostfile hosts"')
+    @argument("--python", default=None, help="Python the ranks run with (default: this kernel's)")
+    @argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="Class.trait=value",
+        help="any ipyparallel launcher setting, e.g. SlurmEngineSetLauncher.qos=high (repeatable)",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @line_magic
     @_usage_errors
     def ddp_start(self, line: str) -> None:
-        """Start a world of DDP ranks: `%ddp_start 2` (CPU: gloo ranks; GPUs: one rank per GPU)."""
+        """Start a world of DDP ranks: `%ddp_start 2` (CPU: gloo ranks; GPUs: one rank per GPU).
+
+        `--launcher mpi|slurm|ssh|...` starts the ranks through ipyparallel's launcher of that
+        name, with the settings of `--profile` and the options given here.
+        """
         args = parse_argstring(self.ddp_start, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
-        if args.backend not in config.BACKEND_CHOICES:
-            raise DDPUsageError(f"--backend must be one of {', '.join(config.BACKEND_CHOICES)}, got '{args.backend}'")
+        _check_backend(args.backend)
         world = DDPCluster(
             n_ranks,
             backend=args.backend,
@@ -81,25 +127,74 @@ class DDPMagics(Magics):
             start_timeout=args.start_timeout,
             ip=args.ip,
             curve=args.curve,
+            launcher=args.launcher,
+            hosts=args.hosts,
+            partition=args.partition,
+            account=args.account,
+            time_limit=args.time,
+            mpi_args=args.mpi_args,
+            ssh_args=args.ssh_args,
+            settings=args.config,
+            profile=args.profile,
+            python=args.python,
         )
+        self._start(world, args.restart)
+
+    @magic_arguments()
+    @argument(
+        "url_file", nargs="?", default=None, help="the cluster's client connection file (ipcontroller-client.json)"
+    )
+    @argument("--profile", default=None, help="ipyparallel profile of the cluster (default: 'default')")
+    @argument("--cluster-id", default=None, help="the cluster's id (ipcluster start --cluster-id ...)")
+    @argument("-n", default=None, help="ranks: wait for this many engines (default: those registered now)")
+    @argument("--backend", default="auto", help="auto (nccl where every rank has a GPU), nccl or gloo")
+    @_world_options
+    @argument("--restart", action="store_true", help="leave a running world first and attach to this one")
+    @line_magic
+    @_usage_errors
+    def ddp_attach(self, line: str) -> None:
+        """Build a world from the engines of an ipyparallel cluster started elsewhere.
+
+        `%ddp_attach --profile mpi`, `%ddp_attach --cluster-id 1712345678-abcd`, or
+        `%ddp_attach path/to/ipcontroller-client.json`. `%ddp_stop` lets go of the engines
+        and leaves them running.
+        """
+        args = parse_argstring(self.ddp_attach, line)
+        n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
+        _check_backend(args.backend)
+        world = DDPCluster.attach_to(
+            args.url_file,
+            profile=args.profile,
+            cluster_id=args.cluster_id,
+            n_ranks=n_ranks,
+            backend=args.backend,
+            timeout=args.timeout,
+            cell_timeout=args.cell_timeout,
+            start_timeout=args.start_timeout,
+        )
+        self._start(world, args.restart)
+
+    def _start(self, world: DDPCluster, restart: bool) -> None:
         current = self.world
         if current is not None and current.running:
-            if not args.restart:
+            if not restart:
                 if current.config == world.config:
                     print(
                         f"a world of {current.world_size} ranks is already running; nothing to do "
-                        "(%ddp_start --restart starts it afresh)"
+                        "(add --restart to start it afresh)"
                     )
                     return
                 raise DDPUsageError(
-                    f"a world of {current.world_size} ranks ({current.config.backend}) is running: "
+                    f"a world of {current.world_size} ranks ({current.backend}) is running: "
                     f"%ddp_stop it first, or add --restart"
                 )
             current.stop()
         world.recorder = self.recorder
         _preload_widgets()
-        self.world = world.start()
-        print(format_start_summary(world))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InsecureNetworkWarning)
+            self.world = world.start()
+        print(format_start_summary(world, _network_warnings(caught)))
 
     # ---------------------------------------------------------------- %%ddp
 
@@ -150,8 +245,12 @@ class DDPMagics(Magics):
             raise DDPUsageError(f"%ddp_restart takes no arguments, got '{line.strip()}'")
         if self.world is None:
             raise DDPUsageError("no DDP world to restart: start one with %ddp_start N (e.g. %ddp_start 2)")
-        self.world.restart()
-        print(format_start_summary(self.world))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InsecureNetworkWarning)
+            self.world.restart()
+        print(
+            format_start_summary(self.world, [str(w.message) for w in caught if w.category is InsecureNetworkWarning])
+        )
 
     @line_magic
     @_usage_errors

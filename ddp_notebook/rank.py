@@ -82,12 +82,12 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         "OMP_NUM_THREADS": str(spec["threads"]),
     }
     if spec.get("socket_ifname"):
-        env.setdefault("GLOO_SOCKET_IFNAME", spec["socket_ifname"])
-        env.setdefault("NCCL_SOCKET_IFNAME", spec["socket_ifname"])
+        # the interface of the route to rank 0 (gloo and NCCL otherwise pick one from the hostname)
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec["socket_ifname"]
     os.environ.update(env)
     torch.set_num_threads(int(spec["threads"]))
 
-    device = _choose_device(spec["backend"])
+    device = _choose_device(spec["backend"], spec.get("gpu"), int(spec["local_rank"]))
     timeout = datetime.timedelta(seconds=float(spec["timeout"]))
     _import_dynamo_first()
     if dist.is_initialized():
@@ -165,9 +165,18 @@ def _placeholder_group() -> dist.ProcessGroup:
     return group
 
 
-def _choose_device(backend: str) -> torch.device:
-    # CUDA_VISIBLE_DEVICES was set to this rank's one GPU before torch was imported here,
-    # so the rank's GPU is always cuda:0 inside the rank
+def _choose_device(backend: str, gpu: str | None = None, local_rank: int = 0) -> torch.device:
+    if gpu is not None:
+        # a rank started by another launcher sees all of its host's GPUs (torchrun's way):
+        # its GPU is number LOCAL_RANK among them
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"this rank was given GPU {gpu} but torch here has no CUDA support (torch {torch.__version__})"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    # a local rank: CUDA_VISIBLE_DEVICES was set to its one GPU before it started, so its
+    # GPU is always cuda:0 inside the rank
     if backend == "nccl" or os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1"):
         if not torch.cuda.is_available():
             if backend == "nccl":

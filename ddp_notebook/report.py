@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .config import is_loopback
 
 if TYPE_CHECKING:
-    from .cluster import CellResult, DDPCluster, RankStatus
+    from .cluster import CellResult, DDPCluster, RankInfo, RankStatus
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -18,32 +18,59 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def format_start_summary(world: DDPCluster) -> str:
+def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str:
+    """The lines %ddp_start prints: what started, where, how fast, and what to watch out for."""
+    ranks = world.ranks
+    spread = len({r.host for r in ranks}) > 1
     rows = [
         (
             r.rank,
+            *((r.local_rank,) if spread else ()),
             r.host,
             r.pid,
             r.device if r.device_name in ("cpu", r.device) else f"{r.device} ({r.device_name})",
-            world.config.backend,
+            world.backend,
         )
-        for r in world.ranks
+        for r in ranks
     ]
     seconds = world.start_seconds or 0.0
-    heading = (
-        f"DDP world ready: {world.world_size} rank{'s' if world.world_size != 1 else ''}, "
-        f"{world.config.backend}, {world.config.threads_per_rank} thread(s) per rank, "
-        f"started in {seconds:.1f} s"
-    )
-    notes = ""
+    size = f"{world.world_size} rank{'s' if world.world_size != 1 else ''}"
+    attach = world.config.launch.attach
+    if attach is not None:
+        heading = (
+            f"DDP world ready: {size}, {world.backend}, attached to {attach.describe()} in {seconds:.1f} s "
+            "(%ddp_stop leaves its engines running)"
+        )
+    else:
+        heading = (
+            f"DDP world ready: {size}, {world.backend}, {world.config.threads_per_rank} thread(s) per rank, "
+            f"started in {seconds:.1f} s"
+        )
+    notes = []
+    if spread:
+        notes.append(f"hosts: {describe_layout(ranks)}")
     if world.config.curve:
-        notes += "\nipyparallel traffic is encrypted (CurveZMQ)"
-    if not is_loopback(world.config.master_addr):
-        notes += (
-            f"\nlistening on {world.config.master_addr}: torch.distributed's rendezvous and gloo/NCCL "
+        notes.append("ipyparallel traffic is encrypted (CurveZMQ)")
+    notes.extend(f"warning: {warning}" for warning in warnings)
+    if not warnings and not is_loopback(world.config.master_addr):
+        notes.append(
+            f"listening on {world.config.master_addr}: torch.distributed's rendezvous and gloo/NCCL "
             "traffic are not encrypted; use this only on a network you trust"
         )
-    return heading + notes + "\n" + table(("rank", "host", "pid", "device", "backend"), rows)
+    headers = ("rank", *(("local rank",) if spread else ()), "host", "pid", "device", "backend")
+    return "\n".join([heading, *notes, table(headers, rows)])
+
+
+def describe_layout(ranks: Sequence[RankInfo]) -> str:
+    """'node-a: ranks 0-1, node-b: ranks 2-3'."""
+    by_host: dict[str, list[int]] = {}
+    for info in ranks:
+        by_host.setdefault(info.host, []).append(info.rank)
+    parts = []
+    for host, numbers in by_host.items():
+        span = f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]}-{numbers[-1]}"
+        parts.append(f"{host}: {span}")
+    return ", ".join(parts)
 
 
 def _mb(value: float | None) -> str:
@@ -55,7 +82,7 @@ def format_status(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
         ("rank", "state", "host", "pid", "device", "memory", "gpu memory"),
         [(s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _mb(s.gpu_memory_mb)) for s in rows],
     )
-    return f"world of {world.world_size} ranks ({world.config.backend}): {world_health(world, rows)}\n{body}"
+    return f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}\n{body}"
 
 
 def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:

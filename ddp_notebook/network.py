@@ -1,0 +1,81 @@
+"""Addresses and routes between hosts, found without sending a packet (no torch here).
+
+Runs on the ranks as well as in the notebook: a rank finds the address other hosts can
+reach it at and the interface its traffic to rank 0 leaves by, and checks that it can
+reach rank 0 before torch.distributed tries to (which would only time out, minutes later).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from .devices import interface_of
+
+# a TEST-NET-1 address (RFC 5737): routed like any outside address, never answered
+_OUTSIDE = "192.0.2.1"
+PROBE_SECONDS = 5.0
+
+# rank 0's listening socket for the reachability check (process state, one per process)
+_probe: dict[str, socket.socket | None] = {"listener": None}
+
+
+def source_address(destination: str) -> str | None:
+    """The local address this host sends from to reach `destination` (None without a route).
+
+    A UDP socket's connect only looks up the route: nothing is sent.
+    """
+    family = socket.AF_INET6 if ":" in destination else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((destination, 9))
+        except OSError:
+            return None
+        return str(probe.getsockname()[0])
+
+
+def interface_toward(destination: str) -> str | None:
+    """Name of the interface traffic to `destination` leaves by (for GLOO/NCCL_SOCKET_IFNAME)."""
+    source = source_address(destination)
+    return interface_of(source) if source else None
+
+
+def primary_address() -> str | None:
+    """This machine's address on its default route (what other hosts usually reach it at)."""
+    address = source_address(_OUTSIDE)
+    if address is not None:
+        return address
+    try:
+        candidate = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    return None if candidate.startswith("127.") else candidate
+
+
+def open_probe(host: str) -> int:
+    """Listen on `host` (port chosen by the OS) for the other ranks' reachability check."""
+    close_probe()
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(1024)
+    _probe["listener"] = listener
+    return int(listener.getsockname()[1])
+
+
+def close_probe() -> None:
+    listener = _probe["listener"]
+    if listener is not None:
+        listener.close()
+        _probe["listener"] = None
+
+
+def reach(host: str, port: int, timeout: float = PROBE_SECONDS) -> dict[str, str | None]:
+    """Try a TCP connection to rank 0's probe; say how it went and by which interface."""
+    error = None
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except TimeoutError:
+        error = f"no answer within {timeout:g} s"
+    except OSError as failure:
+        error = failure.strerror or str(failure)
+    return {"host": socket.gethostname(), "error": error, "interface": interface_toward(host)}
