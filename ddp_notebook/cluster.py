@@ -413,21 +413,30 @@ class DDPCluster:
         target = self.config.launch.attach
         assert target is not None
         arguments: dict[str, Any] = {}
-        if target.url_file:
-            if not os.path.isfile(target.url_file):
-                raise DDPUsageError(
-                    f"no connection file at {target.url_file}: give the cluster's ipcontroller-client.json"
-                )
-            arguments["url_file"] = target.url_file
-        else:
-            if target.profile:
-                arguments["profile"] = target.profile
-            if target.cluster_id is not None:
-                arguments["cluster_id"] = target.cluster_id
+        connection_file = target.url_file
+        if connection_file is None:
+            # the profile's client connection file, as ipyparallel names it
+            profile_dir = self._profile_dir(target.profile)
+            name = f"ipcontroller-{target.cluster_id}-client.json" if target.cluster_id else "ipcontroller-client.json"
+            connection_file = os.path.join(profile_dir, "security", name)
+        if not os.path.isfile(connection_file):
+            raise DDPUsageError(
+                f"no cluster connection file at {connection_file}: is the cluster running? "
+                "(give its ipcontroller-client.json, or --profile and --cluster-id as given to ipcluster start)"
+            )
         try:
-            self._client = ipp.Client(timeout=min(10.0, self.config.start_timeout), **arguments)
-        except (OSError, TimeoutError, ValueError) as failure:
+            self._client = ipp.Client(connection_file, timeout=min(10.0, self.config.start_timeout), **arguments)
+        except (OSError, TimeoutError, ValueError, KeyError) as failure:
             raise StartError(f"could not connect to the cluster at {target.describe()}: {one_line(failure)}") from None
+
+    @staticmethod
+    def _profile_dir(profile: str | None) -> str:
+        """An IPython profile's directory: a path as given, a name looked up in IPYTHONDIR."""
+        if profile and os.path.isdir(profile):
+            return os.path.abspath(profile)
+        from IPython.paths import get_ipython_dir
+
+        return os.path.join(get_ipython_dir(), f"profile_{profile or 'default'}")
 
     def _controller_args(self) -> list[str]:
         return [
