@@ -403,7 +403,6 @@ class DDPCluster:
             engine_set_id=WORLD_ENGINE_SET,
             environment=environment,
             engine_cmd=[launch.python, "-m", "ddp_notebook._process", "engine"],
-            delay=0,
         )
         self._client = self._cluster.connect_client_sync()
 
@@ -771,7 +770,9 @@ class DDPCluster:
         if cluster.controller is not None:
             launchers.append(cluster.controller)
         for engine_set in cluster.engines.values():
-            launchers.extend(getattr(engine_set, "launchers", {}).values())
+            # a set of local engines has one launcher per engine; mpiexec is one for all
+            per_engine = getattr(engine_set, "launchers", None)
+            launchers.extend(per_engine.values() if per_engine is not None else [engine_set])
         return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0]
 
     @property

@@ -41,6 +41,16 @@ def run(shell: object, source: str) -> object:
         ("%ddp_status", "no DDP world is running"),
         ("%ddp_stop now", "takes no arguments"),
         ("%ddp_restart", "no DDP world to restart"),
+        ("%ddp_start 2 --launcher yarn", "launcher must be one of local, mpi, slurm, ssh"),
+        ("%ddp_start 2 --launcher mpi --hosts a,b", "--hosts is for the ssh launcher; this world uses --launcher mpi"),
+        ("%ddp_start --launcher mpi", "say how many ranks to start with the mpi launcher"),
+        ("%ddp_start 2 --launcher mpi --gpus 0,1", "--gpus chooses GPUs of this machine"),
+        ("%ddp_start 3 --launcher ssh --hosts a:2,b:2", "3 ranks asked for but the ssh hosts list 4 engines"),
+        ("%ddp_start 2 --launcher ssh --hosts a:x", "cannot read host 'a:x'"),
+        ("%ddp_start 2 --launcher slurm --config qos=high", "write Class.trait=value"),
+        ("%ddp_attach /nonexistent/ipcontroller-client.json", "no cluster connection file at /nonexistent"),
+        ("%ddp_attach --profile /nonexistent-profile --cluster-id c1", "ipcontroller-c1-client.json: is the cluster"),
+        ("%ddp_attach -n two", "'two' is not a number of ranks"),
     ],
 )
 def test_misuse_is_one_clear_line_and_starts_nothing(

@@ -1,0 +1,135 @@
+"""Worlds started by ipyparallel's MPI launcher (Open MPI's mpiexec), and worlds attached to a
+cluster started elsewhere (`ipcluster start`): real processes, real gloo groups on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddp_notebook import DDPCluster, RankDiedError
+from ddp_notebook.errors import DDPUsageError
+from tests.conftest import pid_alive, wait_gone
+
+pytestmark = pytest.mark.integration
+
+# Open MPI refuses to run as root (CI, containers) unless told; two ranks on a 2-core machine
+# need --oversubscribe when other processes hold cores
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+needs_mpi = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI's mpiexec is not installed")
+
+
+@needs_mpi
+def test_mpi_launcher_world_follows_mpi_ranks(no_leaks: None) -> None:
+    world = DDPCluster(2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", timeout=60)
+    with world:
+        assert world.backend == "gloo" and world.world_size == 2
+        result = world.execute(
+            "import os\n"
+            "t = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
+            "(os.environ['OMPI_COMM_WORLD_RANK'], os.environ['RANK'], os.environ['LOCAL_RANK'], "
+            "os.environ['LOCAL_WORLD_SIZE'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], t.item())",
+            stream=False,
+        )
+        for rank in (0, 1):
+            assert result.value_text(rank) == f"('{rank}', '{rank}', '{rank}', '2', '2', '127.0.0.1', 3.0)"
+        # one launcher process (mpiexec) besides the controller; the ranks are its children
+        assert len(world.pids) == 2
+        rank_pids = [info.pid for info in world.ranks]
+        assert set(rank_pids) <= set(world.all_pids)
+    assert wait_gone(rank_pids) == []
+
+
+@needs_mpi
+def test_a_rank_killed_under_mpi_is_named_and_restart_recovers(no_leaks: None) -> None:
+    world = DDPCluster(2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", timeout=60)
+    with world:
+        victim = world.ranks[1].pid
+        world.execute("x = 41", stream=False)
+        began = time.monotonic()
+        with pytest.raises(RankDiedError, match=r"rank 1 "):
+            world.execute(f"import os, signal, time\nif rank == 1: os.kill({victim}, signal.SIGKILL)\ntime.sleep(30)")
+        assert time.monotonic() - began < 15, "the death is reported within seconds"
+        world.restart()
+        assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(1) == "2.0"
+
+
+@pytest.fixture
+def ipcluster(tmp_path: Path) -> Iterator[Path]:
+    """A 2-engine cluster started the way a user would, outside any world: `ipcluster start`."""
+    profile_dir = tmp_path / "profile_elsewhere"
+    command = [
+        sys.executable,
+        "-m",
+        "ipyparallel.cluster",
+        "start",
+        "--n=2",
+        f"--profile-dir={profile_dir}",
+        "--cluster-id=t1",
+        "--IPController.ip=127.0.0.1",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    connection_file = profile_dir / "security" / "ipcontroller-t1-client.json"
+    deadline = time.monotonic() + 60
+    while not connection_file.exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    try:
+        assert connection_file.exists(), "ipcluster did not start"
+        import ipyparallel as ipp
+
+        with ipp.Client(str(connection_file), timeout=30) as client:
+            client.wait_for_engines(2, timeout=60)
+        yield profile_dir
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "ipyparallel.cluster", "stop", f"--profile-dir={profile_dir}", "--cluster-id=t1"],
+            timeout=60,
+            capture_output=True,
+            check=False,
+        )
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
+            process.wait(timeout=10)
+
+
+def test_attach_builds_a_world_and_stop_leaves_the_engines_running(ipcluster: Path) -> None:
+    connection_file = str(ipcluster / "security" / "ipcontroller-t1-client.json")
+    world = DDPCluster.attach_to(connection_file, n_ranks=2, timeout=60)
+    world.start()
+    try:
+        assert world.attached and world.pids == []  # nothing of ours to kill
+        value = world.execute("t = torch.tensor([rank + 1.0]); dist.all_reduce(t); x = rank; t.item()", stream=False)
+        assert [value.value_text(r) for r in (0, 1)] == ["3.0", "3.0"]
+        engine_pids = [info.pid for info in world.ranks]
+    finally:
+        world.stop()
+    time.sleep(0.5)
+    assert all(pid_alive(pid) for pid in engine_pids), "the engines belong to the cluster: stop() lets them be"
+
+    # the same cluster again, by profile directory and cluster id; state kept on the engines
+    again = DDPCluster.attach_to(profile=str(ipcluster), cluster_id="t1", timeout=60)
+    with again:
+        assert again.world_size == 2
+        assert again.execute("x", stream=False).value_text(1) == "1"
+        # restart cannot start processes here: it clears the namespaces and sets the group up again
+        again.restart()
+        assert again.execute("'x' in globals(), world_size", stream=False).value_text(0) == "(False, 2)"
+        with pytest.raises(DDPUsageError, match=r"rank.*do not exist"):
+            again.execute("1", ranks=[2])
+    assert all(pid_alive(pid) for pid in engine_pids)
+
+
+def test_attach_to_more_engines_than_there_are_says_so(ipcluster: Path) -> None:
+    world = DDPCluster.attach_to(profile=str(ipcluster), cluster_id="t1", n_ranks=3, start_timeout=3)
+    with pytest.raises(Exception, match=r"only 2 of 3 ranks registered within 3 s at profile .*start more engines"):
+        world.start()
+    assert not world.running
