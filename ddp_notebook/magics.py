@@ -225,14 +225,21 @@ class DDPMagics(Magics):
     @line_magic
     @_usage_errors
     def ddp_stop(self, line: str = "") -> None:
-        """Stop every rank and the controller (harmless when nothing runs)."""
+        """Stop every rank and the controller (harmless when nothing runs).
+
+        An attached world lets go of its engines and leaves them running.
+        """
         if line.strip():
             raise DDPUsageError(f"%ddp_stop takes no arguments, got '{line.strip()}'")
         world, self.world = self.world, None
+        size = world.world_size if world is not None else 0
         if world is None or not world.stop():
             print("no DDP world is running; nothing to stop")
             return
-        print(f"stopped the world of {world.world_size} ranks")
+        if world.attached:
+            print(f"left the world of {size} ranks; its engines keep running in their cluster")
+        else:
+            print(f"stopped the world of {size} ranks")
 
     @line_magic
     @_usage_errors
