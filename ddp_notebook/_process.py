@@ -57,11 +57,24 @@ def watch_owner() -> None:
         # The launcher made this process the leader of its own process group; the group
         # holds the helpers it forked (the controller's schedulers), which must go too.
         _remove_connection_files()
+        _kill_children()
         if os.getpgid(0) == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(3)
 
     threading.Thread(target=watch, name="ddp-owner-watch", daemon=True).start()
+
+
+def _kill_children() -> None:
+    """SIGKILL the processes this one started: an engine's nanny runs in a session of its own,
+    out of reach of the process-group kill, and would wait for a controller that is gone."""
+    try:
+        import psutil  # ipyparallel depends on it
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:  # noqa: BLE001  (best effort: this process is about to exit anyway)
+        pass
 
 
 def _remove_connection_files() -> None:

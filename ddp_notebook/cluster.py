@@ -52,6 +52,11 @@ _COLLECTIVE_ERROR = re.compile(
     r"DistNetworkError|Default process group has not been initialized",
 )
 STOP_SECONDS = 10.0
+# how often a running cell checks that the controller is still there, and how long it may take to answer
+CONTROLLER_CHECK_SECONDS = 2.0
+CONTROLLER_ANSWER_SECONDS = 3.0
+# any other question to the controller
+QUERY_SECONDS = 10.0
 # engine set of a world started through a launcher that starts all ranks at once (mpi, slurm, ssh...)
 WORLD_ENGINE_SET = "world"
 
@@ -184,6 +189,7 @@ class DDPCluster:
         self._network: dict[int, tuple[str, str | None]] = {}
         self._backend: str | None = None
         self._clear_namespaces = False
+        self._controller_checked_at = 0.0
         self.start_seconds: float | None = None
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = channel.Recorder()
@@ -668,8 +674,52 @@ class DDPCluster:
                 exited.append((slot, f" ({processes.describe_exit(code)}){': ' + tail if tail else ''}"))
         return exited
 
+    def _controller_lost(self, now_please: bool = False) -> str | None:
+        """Why the controller cannot be reached any more (None while it can): checked at most every 2 s.
+
+        Without it no result and no death notice would ever arrive, and a question to it
+        (queue status) would wait forever.
+        """
+        now = time.monotonic()
+        if not now_please and now < self._controller_checked_at + CONTROLLER_CHECK_SECONDS:
+            return None
+        self._controller_checked_at = now
+        pid = processes.controller_pid(self._cluster)
+        if pid is not None:
+            return None if processes.pid_alive(pid) else "the controller process exited"
+        if self._client is None:
+            return None
+        try:
+            self._queue_status(CONTROLLER_ANSWER_SECONDS)
+        except TimeoutError:
+            return f"the controller did not answer within {CONTROLLER_ANSWER_SECONDS:g} s"
+        except Exception as failure:  # noqa: BLE001  (closed sockets and the like)
+            return f"the controller cannot be asked ({one_line(failure)})"
+        return None
+
+    def _queue_status(self, seconds: float) -> dict[int, Any]:
+        """The controller's queue status; TimeoutError if it does not answer within `seconds`.
+
+        `Client.queue_status` waits for the answer without limit; this sends the same request
+        through the client's IO thread and bounds the wait (a late answer is simply dropped).
+        """
+        from ipyparallel import util
+
+        client = self._client
+        future = client._send(client._query_stream, "queue_request", content={"targets": None, "verbose": False})
+        if not future.wait(seconds):
+            raise TimeoutError(f"no answer within {seconds:g} s")
+        content = dict(future.result()["content"])
+        if content.pop("status") != "ok":
+            raise DDPError(f"the controller could not say which ranks are busy: {content}")
+        return util.int_keys(content)
+
     def _dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
         """Ranks among `ranks` whose process is gone, with how each one ended."""
+        ranks = list(ranks)
+        lost = self._controller_lost()
+        if lost is not None:
+            return {rank: f"cannot be reached: {lost}" for rank in ranks}
         dead = {}
         if self.config.launch.is_local:
             for rank in ranks:
@@ -699,6 +749,8 @@ class DDPCluster:
         client = self._client
         if client is None:
             return
+        if self._controller_lost(now_please=True) is not None:
+            return  # nobody to ask; the processes go anyway
         try:
             skip = set(self._busy_ranks()) | set(self.broken)  # dead ranks cannot answer
             idle = [info.engine_id for info in self._ranks.values() if info.rank not in skip]
@@ -709,7 +761,7 @@ class DDPCluster:
 
     def _busy_ranks(self) -> list[int]:
         """Ranks with a request queued or running, in one question to the controller."""
-        queues = self._client.queue_status()
+        queues = self._queue_status(QUERY_SECONDS)
         return [info.rank for info in self.ranks if queues.get(info.engine_id, {}).get("queue", 0) > 0]
 
     def _teardown(self) -> None:
@@ -1021,8 +1073,13 @@ class DDPCluster:
 
     def status(self) -> list[RankStatus]:
         """State (idle/busy/gone), host, pid, device and memory of every rank."""
-        client = self._require_running(allow_broken=True)
-        queues = client.queue_status()
+        self._require_running(allow_broken=True)
+        try:
+            queues = self._queue_status(QUERY_SECONDS)
+        except TimeoutError:
+            raise DDPError(
+                f"the controller did not answer within {QUERY_SECONDS:g} s: is its host reachable? %ddp_restart"
+            ) from None
         gpu_memory = devices.gpu_memory_by_pid() if any(info.gpu for info in self.ranks) else {}
         local_host = socket.gethostname()
         rows = []

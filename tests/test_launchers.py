@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook import DDPCluster, RankDiedError
+from ddp_notebook import DDPCluster, RankDiedError, processes
 from ddp_notebook.errors import DDPUsageError
 from tests.conftest import pid_alive, wait_gone
 
@@ -133,3 +133,33 @@ def test_attach_to_more_engines_than_there_are_says_so(ipcluster: Path) -> None:
     with pytest.raises(Exception, match=r"only 2 of 3 ranks registered within 3 s at profile .*start more engines"):
         world.start()
     assert not world.running
+
+
+def test_a_lost_controller_ends_the_cell_within_seconds(tmp_path: Path) -> None:
+    """The controller of an attached cluster dies while the engines live on: no cell waits forever."""
+    import ipyparallel as ipp
+
+    elsewhere = ipp.Cluster(
+        n=2, profile_dir=str(tmp_path / "profile_c"), cluster_id="c", controller_ip="127.0.0.1", log_level=40
+    )
+    elsewhere.start_cluster_sync()
+    try:
+        elsewhere.connect_client_sync().wait_for_engines(2, timeout=60, interactive=False)
+        engine_pids = [launcher.pid for launcher in elsewhere.engines[next(iter(elsewhere.engines))].launchers.values()]
+        world = DDPCluster.attach_to(profile=str(tmp_path / "profile_c"), cluster_id="c", timeout=60)
+        with world:
+            controller_pid = elsewhere.controller.pid
+            began = time.monotonic()
+            with pytest.raises(RankDiedError, match=r"rank 0 cannot be reached: the controller did not answer"):
+                world.execute(
+                    f"import os, signal, time\nif rank == 0: os.kill({controller_pid}, signal.SIGKILL)\ntime.sleep(60)"
+                )
+            assert time.monotonic() - began < 15
+            stopping = time.monotonic()
+        assert time.monotonic() - stopping < 10, "letting go of a world whose controller is gone is quick"
+    finally:
+        processes_left = [pid for pid in engine_pids if pid_alive(pid)]
+        for pid in processes_left:  # the engines this test started, by PID
+            os.kill(pid, signal.SIGKILL)
+        assert wait_gone(engine_pids) == []
+        processes.run_with_timeout(elsewhere.stop_cluster_sync, 20)
