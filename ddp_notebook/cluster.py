@@ -57,6 +57,13 @@ CONTROLLER_CHECK_SECONDS = 2.0
 CONTROLLER_ANSWER_SECONDS = 3.0
 # any other question to the controller
 QUERY_SECONDS = 10.0
+_BATCH_LAUNCHER_CLASSES = {
+    "slurm": "SlurmEngineSetLauncher",
+    "pbs": "PBSEngineSetLauncher",
+    "sge": "SGEEngineSetLauncher",
+    "lsf": "LSFEngineSetLauncher",
+    "htcondor": "HTCondorEngineSetLauncher",
+}
 # engine set of a world started through a launcher that starts all ranks at once (mpi, slurm, ssh...)
 WORLD_ENGINE_SET = "world"
 
@@ -383,7 +390,8 @@ class DDPCluster:
 
         cfg = self.config
         launch = cfg.launch
-        settings = Config({name: dict(traits) for name, traits in launch.settings.items()})
+        settings = Config(self._launcher_defaults())
+        settings.merge(Config({name: dict(traits) for name, traits in launch.settings.items()}))
         options: dict[str, Any] = {"profile": launch.profile} if launch.profile else {}
         self._cluster = ipp.Cluster(
             n=0,
@@ -411,6 +419,23 @@ class DDPCluster:
             engine_cmd=[launch.python, "-m", "ddp_notebook._process", "engine"],
         )
         self._client = self._cluster.connect_client_sync()
+
+    def _launcher_defaults(self) -> dict[str, dict[str, Any]]:
+        """ipyparallel launcher settings that suit a world; the user's settings override them."""
+        launch = self.config.launch
+        if launch.launcher == "ssh":
+            return {
+                # every remote step runs this Python (ipyparallel's default is the remote PATH's
+                # python3); no connection file is copied: the engines get the connection info
+                # through ssh's stdin, never on a command line
+                "SSHLauncher": {"remote_python": launch.python},
+                "SSHEngineLauncher": {"to_send": []},
+            }
+        batch_class = _BATCH_LAUNCHER_CLASSES.get(launch.launcher)
+        if batch_class is not None and self._private_dir is not None:
+            # ipyparallel writes the batch script into the current (the notebook's) directory
+            return {batch_class: {"batch_file_name": os.path.join(self._private_dir, f"{launch.launcher}_engines.sh")}}
+        return {}
 
     def _connect_attached(self) -> None:
         import ipyparallel as ipp

@@ -1,0 +1,137 @@
+"""Worlds spread over hosts: ranks on two network namespaces of this machine (each its own
+address, hostname and sshd), started by ipyparallel's SSH launcher, the controller listening on
+the bridge with CurveZMQ; gloo traffic between ranks crosses the bridge. Needs root (CI is)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import warnings
+
+import pytest
+
+from ddp_notebook import DDPCluster, RankDiedError, StartError
+from ddp_notebook.cluster import InsecureNetworkWarning
+from ddp_notebook.errors import CellTimeoutError
+from tests import multihost
+from tests.conftest import wait_gone
+from tests.multihost import Network, SSHHosts
+
+# the fixtures this module uses
+multihost_network = multihost.multihost_network
+multihost_ssh = multihost.multihost_ssh
+
+pytestmark = [pytest.mark.integration, pytest.mark.multihost]
+
+
+def tx_bytes(interface: str) -> int:
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes", encoding="ascii") as handle:
+        return int(handle.read())
+
+
+def ssh_world(network: Network, ssh: SSHHosts, **options: object) -> DDPCluster:
+    return DDPCluster(
+        launcher="ssh",
+        hosts=",".join(f"{host}:1" for host in ssh.hosts),
+        ssh_args=ssh.ssh_args,
+        ip=network.address,
+        backend="gloo",
+        timeout=60,
+        start_timeout=120,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_ssh_world_spans_two_hosts(multihost_network: Network, multihost_ssh: SSHHosts) -> None:
+    h1, h2 = multihost_network
+    world = ssh_world(multihost_network, multihost_ssh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        world.start()
+    try:
+        assert any(issubclass(w.category, InsecureNetworkWarning) for w in caught), "the untrusted-network warning"
+        assert world.config.curve, "CurveZMQ is on beyond loopback"
+        assert [(r.rank, r.host, r.local_rank, r.local_world_size, r.group_rank) for r in world.ranks] == [
+            (0, h1.name, 0, 1, 0),
+            (1, h2.name, 0, 1, 1),
+        ]
+        # MASTER_ADDR is rank 0's address on the hosts' network; each rank's gloo interface is
+        # the one its route to rank 0 leaves by (not loopback, not the hostname's guess)
+        where = world.execute(
+            "import os, socket\n(os.environ['MASTER_ADDR'], os.environ['GLOO_SOCKET_IFNAME'], "
+            "os.environ['GROUP_RANK'], socket.gethostname())",
+            stream=False,
+        )
+        assert where.value_text(0) == f"('{h1.address}', 'eth0', '0', '{h1.name}')"
+        assert where.value_text(1) == f"('{h1.address}', 'eth0', '1', '{h2.name}')"
+
+        # DDP across the hosts gives what one process gets on the combined batch, and the
+        # gradient all-reduce really crosses the bridge (h2's link carries the bytes)
+        before = tx_bytes(h2.veth)
+        world.execute(
+            "torch.manual_seed(0)\n"
+            "model = ddp_notebook.prepare_model(torch.nn.Linear(512, 1024))\n"
+            "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "generator = torch.Generator().manual_seed(1)\n"
+            "x_all, y_all = torch.randn(8, 512, generator=generator), torch.randn(8, 1024, generator=generator)\n"
+            "x, y = x_all[rank * 4:(rank + 1) * 4], y_all[rank * 4:(rank + 1) * 4]\n"
+            "optimizer.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); optimizer.step()\n"
+            "weights = model.module.weight.detach().clone()",
+            stream=False,
+        )
+        crossed = tx_bytes(h2.veth) - before
+        assert crossed > 512 * 1024 * 4, f"only {crossed} bytes went to h2: the gradients did not cross the bridge"
+        weights = world.pull("weights")
+        import torch
+
+        torch.manual_seed(0)
+        reference = torch.nn.Linear(512, 1024)
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(1)
+        x_all, y_all = torch.randn(8, 512, generator=generator), torch.randn(8, 1024, generator=generator)
+        torch.nn.functional.mse_loss(reference(x_all), y_all).backward()
+        optimizer.step()
+        for rank in (0, 1):
+            torch.testing.assert_close(weights[rank], reference.weight.detach(), rtol=1e-5, atol=1e-6)
+
+        # a cell past its limit is interrupted on both hosts (through the engines' nannies)
+        with pytest.raises(CellTimeoutError):
+            world.execute("import time\ntime.sleep(30)", timeout=2)
+        assert world.execute("rank", stream=False).value_text(1) == "1"
+        rank_pids = [info.pid for info in world.ranks]
+    finally:
+        world.stop()
+    assert wait_gone(rank_pids, 20) == []
+
+
+def test_a_lost_host_is_named_and_restart_brings_the_world_back(
+    multihost_network: Network, multihost_ssh: SSHHosts
+) -> None:
+    world = ssh_world(multihost_network, multihost_ssh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)
+        world.start()
+        try:
+            victim = world.ranks[1]
+            began = time.monotonic()
+            # rank 1's host "goes down": its rank process disappears without a word
+            os.kill(victim.pid, signal.SIGKILL)
+            with pytest.raises(RankDiedError, match=rf"rank 1 on {victim.host} was lost"):
+                world.execute("t = torch.ones(1); dist.all_reduce(t)", timeout=60)
+            assert time.monotonic() - began < 30
+            world.restart()
+            assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(0) == "2.0"
+        finally:
+            world.stop()
+
+
+def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, multihost_ssh: SSHHosts) -> None:
+    h1, h2 = multihost_network
+    # h2 can still reach the controller (on the bridge), but not rank 0's host
+    subprocess.run(h2.exec_args("ip", "route", "add", "unreachable", f"{h1.address}/32"), check=True)
+    world = ssh_world(multihost_network, multihost_ssh)
+    with pytest.raises(StartError, match=rf"rank 1 on {h2.name}: No route to host: open TCP between the hosts"):
+        world.start()
+    assert not world.running
