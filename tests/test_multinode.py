@@ -17,11 +17,12 @@ from ddp_notebook.cluster import InsecureNetworkWarning
 from ddp_notebook.errors import CellTimeoutError
 from tests import multihost
 from tests.conftest import wait_gone
-from tests.multihost import Network, SSHHosts
+from tests.multihost import Network, SlurmCluster, SSHHosts
 
 # the fixtures this module uses
 multihost_network = multihost.multihost_network
 multihost_ssh = multihost.multihost_ssh
+multihost_slurm = multihost.multihost_slurm
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]
 
@@ -135,3 +136,43 @@ def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, mu
     with pytest.raises(StartError, match=rf"rank 1 on {h2.name}: No route to host: open TCP between the hosts"):
         world.start()
     assert not world.running
+
+
+def test_slurm_world_spans_two_hosts(
+    multihost_network: Network, multihost_slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real slurmctld and a slurmd per host: the ranks are the tasks of one sbatch job."""
+    for name, value in multihost_slurm.env.items():
+        monkeypatch.setenv(name, value)  # where a login node has it: sbatch and scancel read it
+    h1, h2 = multihost_network
+    # one task per node, as a site's template would ask (Slurm packs tasks onto one node otherwise)
+    template = (
+        "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n#SBATCH --ntasks={n}\n"
+        "#SBATCH --ntasks-per-node=1\n#SBATCH --output={output_file}\nsrun {program_and_args}\n"
+    )
+    world = DDPCluster(
+        2,
+        launcher="slurm",
+        partition=multihost_slurm.partition,
+        time_limit="10",
+        settings=[f"SlurmEngineSetLauncher.batch_template={template!r}"],
+        ip=multihost_network.address,
+        backend="gloo",
+        timeout=60,
+        start_timeout=120,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)
+        world.start()
+    try:
+        assert multihost_slurm.jobs() != []
+        assert [(r.rank, r.host) for r in world.ranks] == [(0, h1.name), (1, h2.name)]
+        value = world.execute(
+            "import os\nt = torch.tensor([rank + 1.0]); dist.all_reduce(t)\n"
+            "(os.environ['SLURM_PROCID'], os.environ['MASTER_ADDR'], t.item())",
+            stream=False,
+        )
+        assert value.value_text(1) == f"('1', '{h1.address}', 3.0)"
+    finally:
+        world.stop()
+    assert multihost_slurm.wait_for_empty_queue() == [], "stop cancels the job"
