@@ -104,6 +104,21 @@ def check_notebook_to_script(text: str, directory: Path) -> None:
     assert {p.name for p in directory.glob("*_model.pt")} == {"notebook_model.pt", "api_model.pt", "torchrun_model.pt"}
 
 
+def check_multi_node(text: str) -> None:
+    """Ranks follow the MPI ranks (where Open MPI is installed), train in step; attaching leaves the engines."""
+    launcher = "mpi" if shutil.which("mpiexec") else "local"
+    assert f"starting the ranks with the {launcher} launcher" in text
+    mpi_rank = "OMPI_COMM_WORLD_RANK=1" if launcher == "mpi" else "OMPI_COMM_WORLD_RANK=-"
+    assert f"[rank 1] {mpi_rank}, RANK=1, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, WORLD_SIZE=2" in text
+    weights = re.findall(r"\[rank (\d)\] accuracy ([\d.]+), weights sum (-?[\d.]+)", text)
+    assert sorted(rank for rank, _, _ in weights) == ["0", "1"] and len({w for _, _, w in weights}) == 1
+    assert float(weights[0][1]) >= 0.85
+    assert re.search(r"attached to profile \S+, cluster demo", text)
+    assert text.count("sum of ranks + 1: 3.0") == 2
+    assert "its engines keep running in their cluster" in text and "engines still registered: 2" in text
+    assert "skipped: no Slurm cluster answers here" in text or "world of 2 ranks (gloo)" in text
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -141,6 +156,8 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         check_dataparallel_vs_ddp(notebook, text)
     if path.name == "05_notebook_to_script.ipynb":
         check_notebook_to_script(text, tmp_path)
+    if path.name == "06_multi_node.ipynb":
+        check_multi_node(text)
 
 
 def test_there_are_notebooks() -> None:
