@@ -51,13 +51,18 @@ def primary_address() -> str | None:
     return None if candidate.startswith("127.") else candidate
 
 
-def open_probe(host: str) -> int:
-    """Listen on `host` (port chosen by the OS) for the other ranks' reachability check."""
-    close_probe()
+def listen(host: str, backlog: int = 1024) -> socket.socket:
+    """A TCP socket listening on `host` only, on a port the OS picks (no race for a free port)."""
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((host, 0))
-    listener.listen(1024)
-    _probe["listener"] = listener
+    listener.listen(backlog)
+    return listener
+
+
+def open_probe(host: str) -> int:
+    """Listen on `host` for the other ranks' reachability check; returns the port."""
+    close_probe()
+    listener = _probe["listener"] = listen(host)
     return int(listener.getsockname()[1])
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import threading
 import weakref
@@ -20,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .network import listen
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,7 @@ def open_rendezvous(host: str) -> int:
     port 0 lets the OS pick a free port with no race.
     """
     close_rendezvous()
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((host, 0))
-    listener.listen(128)
-    _state["listener"] = listener
+    listener = _state["listener"] = listen(host, backlog=128)
     return int(listener.getsockname()[1])
 
 
