@@ -112,7 +112,8 @@ class TorchrunJob:
                 raise TimeoutError(f"torchrun gave no result within {timeout:g} s") from None
             if line is None:
                 code = self.process.wait(timeout=10)
-                raise RuntimeError(f"torchrun exited with code {code}: {' | '.join(self.stderr_tail)}")
+                tail = " | ".join(text for text in self.stderr_tail if text is not None)  # None: the pump's end mark
+                raise RuntimeError(f"torchrun exited with code {code}: {tail}")
             if line.startswith("{"):
                 return json.loads(line)
 
