@@ -143,6 +143,7 @@ def test_a_lost_controller_ends_the_cell_within_seconds(tmp_path: Path) -> None:
         n=2, profile_dir=str(tmp_path / "profile_c"), cluster_id="c", controller_ip="127.0.0.1", log_level=40
     )
     elsewhere.start_cluster_sync()
+    engine_pids: list[int] = []
     try:
         elsewhere.connect_client_sync().wait_for_engines(2, timeout=60, interactive=False)
         engine_pids = [launcher.pid for launcher in elsewhere.engines[next(iter(elsewhere.engines))].launchers.values()]
@@ -152,14 +153,22 @@ def test_a_lost_controller_ends_the_cell_within_seconds(tmp_path: Path) -> None:
             began = time.monotonic()
             with pytest.raises(RankDiedError, match=r"rank 0 cannot be reached: the controller did not answer"):
                 world.execute(
-                    f"import os, signal, time\nif rank == 0: os.kill({controller_pid}, signal.SIGKILL)\ntime.sleep(60)"
+                    # the controller and the helpers it forked (its process group) go at once
+                    "import os, signal, time\n"
+                    f"if rank == 0: os.killpg({controller_pid}, signal.SIGKILL)\ntime.sleep(60)"
                 )
             assert time.monotonic() - began < 15
             stopping = time.monotonic()
         assert time.monotonic() - stopping < 10, "letting go of a world whose controller is gone is quick"
     finally:
-        processes_left = [pid for pid in engine_pids if pid_alive(pid)]
-        for pid in processes_left:  # the engines this test started, by PID
-            os.kill(pid, signal.SIGKILL)
-        assert wait_gone(engine_pids) == []
+        # the engines this test started and their nannies, by PID (with its controller gone, a
+        # nanny would wait for it forever)
+        started = engine_pids + processes.descendants(engine_pids)
+        for pid in started:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        controller_pid = elsewhere.controller.pid
+        if pid_alive(controller_pid):
+            os.killpg(controller_pid, signal.SIGKILL)
+        assert wait_gone([*started, controller_pid]) == []
         processes.run_with_timeout(elsewhere.stop_cluster_sync, 20)
