@@ -538,7 +538,6 @@ class DDPCluster:
             self._backend = "nccl" if cfg.backend == "nccl" or (cfg.backend == "auto" and has_gpus) else "gloo"
             use_gpus = self._backend == "nccl"
         self._placements = layout.place_ranks(identities, use_gpus)
-        self._identities = {p.rank: (p.host, p.pid) for p in self._placements}
 
     def _plan_network(self, deadline: float) -> None:
         """Pick MASTER_ADDR and each rank's interface; across hosts, check every rank reaches rank 0."""

@@ -45,8 +45,14 @@ def _world_options(method: F) -> F:
     return method
 
 
-def _network_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, InsecureNetworkWarning)]
+def _start_and_summarize(world: DDPCluster, start: Callable[[], object]) -> None:
+    """Run `start` (start or restart `world`), then print its summary with the network warnings as lines of it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InsecureNetworkWarning)
+        start()
+    print(
+        format_start_summary(world, [str(w.message) for w in caught if issubclass(w.category, InsecureNetworkWarning)])
+    )
 
 
 def _check_backend(backend: str) -> None:
@@ -191,10 +197,8 @@ class DDPMagics(Magics):
             current.stop()
         world.recorder = self.recorder
         _preload_widgets()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", InsecureNetworkWarning)
-            self.world = world.start()
-        print(format_start_summary(world, _network_warnings(caught)))
+        _start_and_summarize(world, world.start)
+        self.world = world
 
     # ---------------------------------------------------------------- %%ddp
 
@@ -252,12 +256,7 @@ class DDPMagics(Magics):
             raise DDPUsageError(f"%ddp_restart takes no arguments, got '{line.strip()}'")
         if self.world is None:
             raise DDPUsageError("no DDP world to restart: start one with %ddp_start N (e.g. %ddp_start 2)")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", InsecureNetworkWarning)
-            self.world.restart()
-        print(
-            format_start_summary(self.world, [str(w.message) for w in caught if w.category is InsecureNetworkWarning])
-        )
+        _start_and_summarize(self.world, self.world.restart)
 
     @line_magic
     @_usage_errors
