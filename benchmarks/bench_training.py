@@ -44,7 +44,7 @@ from _common import (
     write_json,
 )
 
-from ddp_notebook import DDPCluster, devices
+from ddp_notebook import DDPCluster, network
 
 # the cell a notebook user would run; its inputs are pushed, not formatted into the code
 IMPORT_CELL = "import sys; sys.path.insert(0, BENCH_DIR); import train_workload"
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     world = DDPCluster(args.ranks)  # nothing starts until start(); its config is final now
     threads = world.config.threads_per_rank
-    socket_ifname = devices.loopback_interface()  # what DDPCluster gives its ranks
+    socket_ifname = network.loopback_interface()  # what DDPCluster gives its ranks
     # set explicitly: torchrun picks 1 itself only when OMP_NUM_THREADS is unset
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     if socket_ifname:

@@ -31,8 +31,8 @@ def describe() -> dict[str, Any]:
     import os
     import socket
 
-    from ddp_notebook._environment import SLOT_ENV
     from ddp_notebook.devices import visible_gpus
+    from ddp_notebook.entrypoints import SLOT_ENV
     from ddp_notebook.layout import LAUNCHER_RANK_VARIABLES
 
     slot = os.environ.get(SLOT_ENV, "")

@@ -23,9 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from . import _remote, channel, config, devices, health, layout, processes
-from ._environment import OWNER_HOST_ENV, OWNER_PID_ENV, SLOT_ENV
-from .cells import check_syntax
+from . import _remote, channel, config, devices, layout, network, processes, stacks
+from .entrypoints import OWNER_HOST_ENV, OWNER_PID_ENV, SLOT_ENV
 from .errors import (
     CellInterruptedError,
     CellTimeoutError,
@@ -39,6 +38,7 @@ from .errors import (
     one_line,
 )
 from .relay import CellRelay, OutputSink
+from .syntax import check_syntax
 
 log = logging.getLogger("ddp_notebook")
 
@@ -347,12 +347,12 @@ class DDPCluster:
         )
         owner = {OWNER_PID_ENV: str(os.getpid())}
         self._cluster.start_controller_sync(
-            controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
+            controller_cmd=[sys.executable, "-m", "ddp_notebook.entrypoints", "controller"],
             environment=dict(owner),
         )
         # gloo and NCCL pick their interface from the hostname unless told: pin them to the
         # interface of the address the world listens on
-        interface = devices.interface_of(cfg.master_addr)
+        interface = network.interface_of(cfg.master_addr)
         for slot in range(cfg.n_ranks):
             environment = {
                 **cfg.env,
@@ -372,7 +372,7 @@ class DDPCluster:
                 n=1,
                 engine_set_id=_engine_set_id(slot),
                 environment=environment,
-                engine_cmd=[sys.executable, "-m", "ddp_notebook._process", "engine"],
+                engine_cmd=[sys.executable, "-m", "ddp_notebook.entrypoints", "engine"],
                 engine_args=[
                     f"--IPEngine.wait_for_url_file={cfg.start_timeout:g}",
                     # the nanny is one more Python process per rank, only needed to signal
@@ -406,7 +406,7 @@ class DDPCluster:
         )
         owner = {OWNER_PID_ENV: str(os.getpid()), OWNER_HOST_ENV: socket.gethostname()}
         self._cluster.start_controller_sync(
-            controller_cmd=[sys.executable, "-m", "ddp_notebook._process", "controller"],
+            controller_cmd=[sys.executable, "-m", "ddp_notebook.entrypoints", "controller"],
             environment=dict(owner),
         )
         environment = {**cfg.env, **owner, "OMP_NUM_THREADS": str(cfg.threads_per_rank), "PYTHONUNBUFFERED": "1"}
@@ -416,7 +416,7 @@ class DDPCluster:
             n=cfg.n_ranks,
             engine_set_id=WORLD_ENGINE_SET,
             environment=environment,
-            engine_cmd=[launch.python, "-m", "ddp_notebook._process", "engine"],
+            engine_cmd=[launch.python, "-m", "ddp_notebook.entrypoints", "engine"],
         )
         self._client = self._cluster.connect_client_sync()
 
@@ -546,7 +546,7 @@ class DDPCluster:
         if cfg.launch.is_local or not layout.spans_hosts(placements):
             # one host: everything stays on its loopback (or on --ip for a local world)
             address = cfg.master_addr if cfg.launch.is_local else "127.0.0.1"
-            interface = devices.interface_of(address)
+            interface = network.interface_of(address)
             self._network = {p.rank: (address, interface) for p in placements}
             return
         client = self._client
@@ -1041,11 +1041,11 @@ class DDPCluster:
         infos = {r: self._ranks[r] for r in chosen if self._ranks[r].host == local}
         if not infos or self._private_dir is None:
             return ""
-        dumps = health.request_stacks({r: info.pid for r, info in infos.items()}, self._private_dir)
+        dumps = stacks.request_stacks({r: info.pid for r, info in infos.items()}, self._private_dir)
         lines = []
         for rank, info in infos.items():
-            frames = health.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
-            lines.append(f"rank {rank}: {health.describe_stuck_rank(frames)}")
+            frames = stacks.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
+            lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames)}")
         return "\n".join(lines)
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import devices
+from . import devices, network
 from .errors import DDPUsageError
 
 Backend = Literal["gloo", "nccl"]
@@ -159,7 +159,7 @@ def resolve(
     """
     launch = launch or LaunchConfig()
     address = parse_ip(ip) if ip is not None else _default_address(launch)
-    if not is_loopback(address) and devices.interface_of(address) is None:
+    if not is_loopback(address) and network.interface_of(address) is None:
         raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
     if backend not in BACKEND_CHOICES:
         raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
@@ -260,9 +260,7 @@ def _resolve_elsewhere(
 def _default_address(launch: LaunchConfig) -> str:
     if launch.launcher not in _REMOTE_LAUNCHERS:
         return "127.0.0.1"
-    from .network import primary_address
-
-    address = primary_address()
+    address = network.primary_address()
     if address is None:
         raise DDPUsageError(
             f"the {launch.launcher} launcher starts ranks on other hosts, and this machine has no address "

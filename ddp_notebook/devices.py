@@ -50,42 +50,6 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def interface_of(address: str) -> str | None:
-    """Name of the network interface holding `address` (Linux), or the loopback one for 127.x."""
-    import ipaddress
-
-    if ipaddress.ip_address(address).is_loopback:
-        return loopback_interface()
-    try:
-        import fcntl
-        import socket
-        import struct
-    except ImportError:
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == address:
-                return name
-    return None
-
-
-def loopback_interface() -> str | None:
-    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
-    try:
-        names = [name for _, name in __import__("socket").if_nameindex()]
-    except OSError:
-        return None
-    for name in names:
-        if name.startswith("lo"):
-            return name
-    return None
-
-
 def resident_memory_mb(pid: int) -> float | None:
     """Resident memory of a local process in MiB, from /proc (None where unavailable)."""
     try:

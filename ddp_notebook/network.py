@@ -7,9 +7,8 @@ reach rank 0 before torch.distributed tries to (which would only time out, minut
 
 from __future__ import annotations
 
+import ipaddress
 import socket
-
-from .devices import interface_of
 
 # a TEST-NET-1 address (RFC 5737): routed like any outside address, never answered
 _OUTSIDE = "192.0.2.1"
@@ -17,6 +16,39 @@ PROBE_SECONDS = 5.0
 
 # rank 0's listening socket for the reachability check (process state, one per process)
 _probe: dict[str, socket.socket | None] = {"listener": None}
+
+
+def interface_of(address: str) -> str | None:
+    """Name of the network interface holding `address` (Linux), or the loopback one for 127.x."""
+    if ipaddress.ip_address(address).is_loopback:
+        return loopback_interface()
+    try:
+        import fcntl
+        import struct
+    except ImportError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def loopback_interface() -> str | None:
+    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        if name.startswith("lo"):
+            return name
+    return None
 
 
 def source_address(destination: str) -> str | None:

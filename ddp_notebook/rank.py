@@ -113,7 +113,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     for wrapper in list(_state["wrappers"]):
         wrapper._update_process_group(dist.group.WORLD)
     if spec.get("stack_dir") and not _state.get("stack_dumps"):
-        from .health import enable_stack_dumps
+        from .stacks import enable_stack_dumps
 
         enable_stack_dumps(spec["stack_dir"], rank)
         _state["stack_dumps"] = True

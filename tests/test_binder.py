@@ -176,7 +176,7 @@ def run_notebooks(argv: list[str]) -> int:
                         role = "other"
                         if "ipykernel_launcher" in argv:
                             role = "kernel"
-                        elif argv[1:3] == ["-m", "ddp_notebook._process"]:  # a rank (or the controller) itself,
+                        elif argv[1:3] == ["-m", "ddp_notebook.entrypoints"]:  # a rank (or the controller) itself,
                             role = "rank" if "engine" in argv else "controller"  # not a launcher such as mpiexec
                         omp = process.environ().get("OMP_NUM_THREADS")
                         seen[process.pid] = {"role": role, "argv0": argv[0], "omp": omp}

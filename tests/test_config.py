@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_notebook import devices
+from ddp_notebook import devices, network
 from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks, resolve
 from ddp_notebook.errors import DDPUsageError
 
@@ -125,7 +125,7 @@ def test_visible_gpus_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch
 def test_listening_beyond_loopback_turns_curve_on(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (resolve(2).master_addr, resolve(2).curve) == ("127.0.0.1", False)
     assert resolve(2, curve=True).curve is True
-    monkeypatch.setattr(devices, "interface_of", lambda address: "eth7" if address == "10.1.2.3" else None)
+    monkeypatch.setattr(network, "interface_of", lambda address: "eth7" if address == "10.1.2.3" else None)
     cfg = resolve(2, ip="10.1.2.3")
     assert (cfg.master_addr, cfg.curve) == ("10.1.2.3", True)
     with pytest.raises(DDPUsageError, match="not an IPv4 address of this machine"):

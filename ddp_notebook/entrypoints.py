@@ -19,7 +19,11 @@ import sys
 import threading
 import time
 
-from ddp_notebook._environment import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV
+# what the notebook side tells the processes it starts, through their environment
+OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
+OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
+SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
+PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
 
 OWNER_POLL_SECONDS = 1.0
 CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
@@ -152,4 +156,4 @@ if __name__ == "__main__":
     elif role == "controller":
         controller_main()
     else:
-        sys.exit("usage: python -m ddp_notebook._process engine|controller [ipyparallel args]")
+        sys.exit("usage: python -m ddp_notebook.entrypoints engine|controller [ipyparallel args]")
