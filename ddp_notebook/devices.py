@@ -16,17 +16,28 @@ _NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
 
 def visible_gpus() -> tuple[str, ...]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = listed_gpus()
     if listed is not None:
-        entries = tuple(e.strip() for e in listed.split(",") if e.strip())
-        # CUDA stops at the first invalid entry; "-1" is the usual way to hide every GPU
-        valid = []
-        for entry in entries:
-            if entry.startswith("-"):
-                break
-            valid.append(entry)
-        return tuple(valid)
+        return listed
     return tuple(str(i) for i in range(_count_gpus()))
+
+
+def listed_gpus() -> tuple[str, ...] | None:
+    """The entries of CUDA_VISIBLE_DEVICES, in CUDA's order; None where it is unset.
+
+    Reads the environment only (no driver, no subprocess): a rank checks its GPU with it
+    before its first CUDA call.
+    """
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return None
+    valid = []
+    for entry in (e.strip() for e in listed.split(",") if e.strip()):
+        # CUDA stops at the first invalid entry; "-1" is the usual way to hide every GPU
+        if entry.startswith("-"):
+            break
+        valid.append(entry)
+    return tuple(valid)
 
 
 def _count_gpus() -> int:

@@ -1,7 +1,11 @@
-"""Which engine becomes which rank: ranks grouped by host, as torchrun numbers them.
+"""Which engine becomes which rank, and which GPU each rank uses: torchrun's rules.
 
 Pure logic, no processes: the engines describe themselves (host, PID, the rank their
 launcher gave them, the GPUs they see) and this module decides the world's layout.
+
+The device rule is one for every launcher: every rank on a host sees the same GPUs in the
+same order (the world's GPUs on this machine, all of its host's under another launcher),
+and rank r uses the one at its LOCAL_RANK, as CUDA device `cuda:LOCAL_RANK`.
 """
 
 from __future__ import annotations
@@ -105,3 +109,69 @@ def gpus_everywhere(engines: Sequence[EngineIdentity]) -> bool:
 
 def spans_hosts(placements: Sequence[Placement]) -> bool:
     return len({p.host for p in placements}) > 1
+
+
+def gpu_visibility(world_gpus: Sequence[str], machine_has_gpus: bool) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for every rank this machine starts (None: leave it as inherited).
+
+    Every rank sees all of the world's GPUs, in the same order, and uses the one at its
+    `LOCAL_RANK` (as under torchrun): one rule for every launcher. Masking each rank to its
+    own GPU breaks CUDA IPC between ranks and NCCL features that rely on it. CPU ranks on a
+    GPU machine see no GPU at all.
+    """
+    if world_gpus:
+        return ",".join(world_gpus)
+    return "" if machine_has_gpus else None
+
+
+def rank_device(gpu: str | None, local_rank: int) -> str:
+    """The device a rank computes on: `cuda:LOCAL_RANK` when it was given a GPU, else `cpu`.
+
+    `gpu` is the CUDA_VISIBLE_DEVICES entry `place_ranks` chose for it, the host's GPU number
+    `local_rank`; every rank on the host sees the same list, so that GPU is CUDA device
+    LOCAL_RANK in the rank's process, whichever launcher started it.
+    """
+    return f"cuda:{local_rank}" if gpu is not None else "cpu"
+
+
+def gpu_problem(gpu: str, local_rank: int, listed: Sequence[str] | None) -> str | None:
+    """Why a rank cannot use GPU `gpu` as `cuda:LOCAL_RANK` (None: it can).
+
+    `listed` is the rank's own CUDA_VISIBLE_DEVICES entries, None where the variable is unset
+    (CUDA then shows every GPU of the host, and the set-up trusts its numbering). Checked
+    before the rank's first CUDA call, so a wrong set-up fails with its cause, not with
+    "invalid device ordinal" or, worse, a rank on its neighbour's GPU.
+    """
+    if listed is None:
+        return None
+    seen = f"CUDA_VISIBLE_DEVICES={','.join(listed)}" if listed else "CUDA_VISIBLE_DEVICES hides every GPU"
+    if sum(entry.startswith("MIG-") for entry in listed) > 1:
+        return f"its process is given several MIG instances ({seen}): {_MIG_LIMIT}"
+    if local_rank < len(listed) and listed[local_rank] == gpu:
+        return None
+    if local_rank >= len(listed):
+        problem = f"its LOCAL_RANK is {local_rank} but its process sees {len(listed)} GPU(s) ({seen})"
+    else:
+        problem = f"CUDA device {local_rank} of its process is GPU {listed[local_rank]}, not GPU {gpu} ({seen})"
+    hint = (
+        "every rank on a host must see the same GPUs in the same order and use the one at its LOCAL_RANK, "
+        "as under torchrun; do not mask each rank's CUDA_VISIBLE_DEVICES to its own GPU"
+    )
+    return f"{problem}: {hint}"
+
+
+def check_world_gpus(gpus: Sequence[str]) -> None:
+    """Refuse GPU lists one world cannot use; today: several MIG instances.
+
+    A CUDA process enumerates one MIG instance at most, whatever CUDA_VISIBLE_DEVICES lists,
+    and NCCL does not support MIG (NVIDIA/nccl#1716), so MIG slices cannot be a world's ranks.
+    """
+    mig = [g for g in gpus if g.startswith("MIG-")]
+    if len(mig) > 1:
+        raise DDPUsageError(f"{len(mig)} MIG instances given ({','.join(mig)}): {_MIG_LIMIT}")
+
+
+_MIG_LIMIT = (
+    "a CUDA process can use only one MIG instance and NCCL does not support MIG, so the ranks of one world "
+    "cannot be MIG slices; give whole GPUs, or one MIG instance for a one-rank world"
+)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from . import devices, layout
 from .network import listen
 
 
@@ -64,8 +65,10 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     """Set the torchrun environment, pick the device and join the default process group.
 
     `spec` holds rank, world_size, local_rank, local_world_size, master_addr, master_port,
-    backend, timeout (seconds), threads and optionally socket_ifname. Publishes rank,
-    world_size, local_rank, device, torch and dist into the user namespace.
+    backend, timeout (seconds), threads and optionally group_rank, gpu (the CUDA_VISIBLE_DEVICES
+    entry of this rank's GPU; None for a CPU rank), socket_ifname and stack_dir. A GPU rank uses
+    `cuda:LOCAL_RANK`, and selecting it is the first CUDA call this process makes. Publishes
+    rank, world_size, local_rank, device, torch and dist into the user namespace.
     """
     rank = int(spec["rank"])
     world_size = int(spec["world_size"])
@@ -92,7 +95,8 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         dist.destroy_process_group()
     store = _make_store(rank, world_size, spec["master_addr"], int(spec["master_port"]), timeout)
     init_kwargs: dict[str, Any] = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and spec["backend"] == "nccl":
+        # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
         init_kwargs["device_id"] = device
     dist.init_process_group(
         spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
@@ -164,28 +168,33 @@ def _placeholder_group() -> dist.ProcessGroup:
 
 
 def _choose_device(backend: str, gpu: str | None = None, local_rank: int = 0) -> torch.device:
+    """This rank's device: `cuda:LOCAL_RANK` for a GPU rank (one given a GPU, or on nccl), else the CPU.
+
+    The same rule for every launcher (`layout.rank_device`): all ranks of a host see the same
+    GPUs in the same order, as under torchrun, and rank r uses number LOCAL_RANK among them.
+    `torch.cuda.set_device` is the first CUDA call of the process: everything after it, the
+    NCCL communicator included, then lives on this rank's GPU, and no rank makes a CUDA context
+    on another's, although it could see them (CUDA IPC between the ranks needs them visible).
+    """
+    if gpu is None and backend != "nccl":
+        return torch.device("cpu")
+    given = f"GPU {gpu}" if gpu is not None else f"a GPU (backend {backend})"
     if gpu is not None:
-        # a rank started by another launcher sees all of its host's GPUs (torchrun's way):
-        # its GPU is number LOCAL_RANK among them
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"this rank was given GPU {gpu} but torch here has no CUDA support (torch {torch.__version__})"
-            )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    # a local rank: CUDA_VISIBLE_DEVICES was set to its one GPU before it started, so its
-    # GPU is always cuda:0 inside the rank
-    if backend == "nccl" or os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() not in ("", "-1"):
-        if not torch.cuda.is_available():
-            if backend == "nccl":
-                raise RuntimeError(
-                    "this rank was given a GPU but torch here has no CUDA support "
-                    f"(torch {torch.__version__}); install a CUDA build of torch or use --backend gloo"
-                )
-            return torch.device("cpu")
-        torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
+        # from the environment alone: nothing here may touch CUDA before set_device
+        problem = layout.gpu_problem(gpu, local_rank, devices.listed_gpus())
+        if problem is not None:
+            raise RuntimeError(f"this rank cannot use {given} as cuda:{local_rank}: {problem}")
+    if not torch.backends.cuda.is_built():
+        raise RuntimeError(
+            f"this rank was given {given} but torch here has no CUDA support (torch {torch.__version__}); "
+            "install a CUDA build of torch or use --backend gloo"
+        )
+    index = local_rank  # layout.rank_device: cuda:LOCAL_RANK, whichever launcher started the rank
+    try:
+        torch.cuda.set_device(index)
+    except Exception as failure:  # noqa: BLE001  (no driver, invalid ordinal, ...: one message with the cause)
+        raise RuntimeError(f"this rank could not select cuda:{index} ({given}): {failure}") from None
+    return torch.device("cuda", index)
 
 
 def _device_name(device: torch.device) -> str:
@@ -245,11 +254,12 @@ def context() -> RankContext:
             "after torch.distributed.init_process_group()"
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = (
-        torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        # torchrun's convention, as in our worlds: cuda:LOCAL_RANK. A launcher that masked each
+        # process to its own GPU leaves fewer GPUs than that: then the device the script selected
+        index = local_rank if local_rank < torch.cuda.device_count() else torch.cuda.current_device()
+        device = torch.device("cuda", index)
     return RankContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -274,7 +284,7 @@ def barrier() -> None:
     """Wait until every rank of the world reaches this point (bounded by the world's timeout)."""
     current = context()
     if current.backend == "nccl" and current.device.type == "cuda":
-        dist.barrier(device_ids=[current.device.index or 0])
+        dist.barrier(device_ids=[current.device.index])  # this rank's GPU, not the current default
     else:
         dist.barrier()
 
@@ -282,13 +292,15 @@ def barrier() -> None:
 def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
     """Move `model` to this rank's device and wrap it in DistributedDataParallel.
 
-    Wrapping broadcasts rank 0's parameters, so every rank starts from the same weights.
-    Keyword arguments go to `DistributedDataParallel` (e.g. `find_unused_parameters=True`).
+    On GPUs that device is `cuda:LOCAL_RANK` (the published `device`), and DDP gets
+    `device_ids=[LOCAL_RANK]`. Wrapping broadcasts rank 0's parameters, so every rank starts
+    from the same weights. Keyword arguments go to `DistributedDataParallel` (e.g.
+    `find_unused_parameters=True`).
     """
     current = context()
     model = model.to(current.device)
     if current.device.type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [current.device.index or 0])
+        ddp_kwargs.setdefault("device_ids", [current.device.index])
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
     return wrapper

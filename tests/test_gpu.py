@@ -1,0 +1,544 @@
+"""NCCL worlds on the GPUs of this machine (marker `gpu`).
+
+Every test skips, with the reason, where torch has no CUDA or the machine has too few GPUs, so
+the CPU suite never depends on a GPU. `bash benchmarks/gpu_suite.sh` runs them with the
+throughput benchmark and writes every figure to benchmarks/results/gpu.md; with
+DDP_NOTEBOOK_GPU_RESULTS set to a folder, each test leaves its figures there as JSON.
+
+The rule under test: every rank sees the world's GPUs in the same order and uses
+`cuda:LOCAL_RANK`, selected before any other CUDA call, so no rank has a CUDA context on
+another rank's GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddp_notebook import DDPCluster
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.gpu
+
+RESULTS_ENV = "DDP_NOTEBOOK_GPU_RESULTS"
+MAX_RANKS = 8
+STEPS, BATCH_PER_RANK, LR = 5, 8, 0.1
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+MODEL_CODE = """
+import torch
+def make_model(seed=1234):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+def make_data(steps, global_batch):
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(steps * global_batch, 6, generator=g), torch.randint(0, 3, (steps * global_batch,), generator=g)
+
+def my_rows(step):
+    # this rank's share of the step's global batch: together, the ranks' rows are the whole batch
+    start = step * BATCH * world_size + rank * BATCH
+    return slice(start, start + BATCH)
+
+def gathered_equal(module):
+    # the same parameters on every rank?
+    flat = torch.cat([p.detach().flatten() for p in module.parameters()])
+    everyone = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(other, everyone[0]) for other in everyone)
+"""
+
+# each rank: where it runs, as CUDA and the environment describe it
+PLACEMENT_CODE = """
+import os
+_props = torch.cuda.get_device_properties(device)
+placement = dict(
+    device=str(device), local_rank=local_rank, current=torch.cuda.current_device(),
+    count=torch.cuda.device_count(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    uuid=str(getattr(_props, "uuid", "")), name=_props.name, pid=os.getpid(),
+)
+"""
+
+# each rank: the GPUs on which its process holds an active primary context (CUDA driver API;
+# torch and NCCL use primary contexts), in its own CUDA numbering
+CONTEXTS_CODE = """
+import ctypes
+_cuda = ctypes.CDLL("libcuda.so.1")
+assert _cuda.cuInit(0) == 0
+_count = ctypes.c_int()
+assert _cuda.cuDeviceGetCount(ctypes.byref(_count)) == 0
+active_contexts = []
+for _ordinal in range(_count.value):
+    _dev, _flags, _active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert _cuda.cuDeviceGet(ctypes.byref(_dev), _ordinal) == 0
+    assert _cuda.cuDevicePrimaryCtxGetState(_dev, ctypes.byref(_flags), ctypes.byref(_active)) == 0
+    if _active.value:
+        active_contexts.append(_ordinal)
+"""
+
+# collectives of every kind NCCL sets up paths for (peer-to-peer / IPC between the ranks' GPUs)
+COLLECTIVES_CODE = """
+_t = torch.full((1 << 20,), float(rank + 1), device=device)
+dist.all_reduce(_t)
+_parts = [torch.zeros(1 << 16, device=device) for _ in range(world_size)]
+dist.all_gather(_parts, torch.full((1 << 16,), float(rank), device=device))
+dist.broadcast(_t, src=world_size - 1)
+if world_size > 1:
+    _peer = (rank + 1) % world_size
+    _ops = [dist.P2POp(dist.isend, _t[:1024], _peer), dist.P2POp(dist.irecv, _t[1024:2048], (rank - 1) % world_size)]
+    for _request in dist.batch_isend_irecv(_ops):
+        _request.wait()
+torch.cuda.synchronize(device)
+collectives_ok = bool(_t[0].item() == world_size * (world_size + 1) / 2) and all(
+    bool((part == r).all()) for r, part in enumerate(_parts)
+)
+"""
+
+
+# ---------------------------------------------------------------- what this machine has
+
+
+def gpus_here() -> tuple[int, str]:
+    """(GPUs torch sees, why none) without making a CUDA context in this process."""
+    if not torch.backends.cuda.is_built():
+        return 0, f"torch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available():
+        return 0, "torch has CUDA support but no GPU (or driver) answers here"
+    return torch.cuda.device_count(), ""
+
+
+def need_gpus(wanted: int) -> int:
+    """Skip unless this machine has `wanted` GPUs; returns how many ranks to run (one per GPU, up to 8)."""
+    count, why = gpus_here()
+    if count < wanted:
+        pytest.skip(why or f"needs {wanted} GPUs; this machine has {count}")
+    return min(count, MAX_RANKS)
+
+
+def record(name: str, title: str, columns: list[str], rows: list[list[Any]], note: str = "") -> None:
+    """Leave a figure for benchmarks/gpu_suite.sh (a table), where DDP_NOTEBOOK_GPU_RESULTS names a folder."""
+    folder = os.environ.get(RESULTS_ENV)
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    figure = {"title": title, "columns": columns, "rows": rows, "note": note}
+    (Path(folder) / f"{name}.json").write_text(json.dumps(figure, indent=1, default=str), encoding="utf8")
+
+
+def normal_uuid(text: str) -> str:
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def nvml_contexts() -> tuple[dict[int, set[str]], str]:
+    """NVML's per-process list: {pid: UUIDs of the GPUs it has a context on}, and the source."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        pynvml = None
+    found: dict[int, set[str]] = {}
+    if pynvml is not None:
+        pynvml.nvmlInit()
+        try:
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+                for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    found.setdefault(int(process.pid), set()).add(normal_uuid(uuid))
+        finally:
+            pynvml.nvmlShutdown()
+        return found, "NVML (nvidia-ml-py)"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        pytest.skip("neither nvidia-ml-py nor nvidia-smi is installed: no NVML process list")
+    listing = subprocess.run(
+        [smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for line in listing.stdout.splitlines():
+        pid, _, uuid = (part.strip() for part in line.partition(","))
+        if pid.isdigit():
+            found.setdefault(int(pid), set()).add(normal_uuid(uuid))
+    return found, "NVML (nvidia-smi --query-compute-apps)"
+
+
+def start_world(n: int, **options: Any) -> DDPCluster:
+    world = DDPCluster(n, backend="nccl", timeout=120, **options)
+    world.start()
+    return world
+
+
+def stop_world(world: DDPCluster) -> None:
+    pids = world.all_pids
+    world.stop()
+    assert wait_gone(pids) == [], "processes of the GPU world outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def gpu_world() -> Iterator[DDPCluster]:
+    """One rank per GPU (up to 8), nccl, shared by the tests that need no world of their own."""
+    world = start_world(need_gpus(2))
+    try:
+        world.push({"MODEL_CODE": MODEL_CODE, "STEPS": STEPS, "BATCH": BATCH_PER_RANK, "LR": LR})
+        world.execute("exec(MODEL_CODE)", stream=False)
+        yield world
+    finally:
+        stop_world(world)
+
+
+def placements(world: DDPCluster) -> dict[int, dict[str, Any]]:
+    world.execute(PLACEMENT_CODE, stream=False)
+    return world.pull("placement")
+
+
+def check_placements(found: dict[int, dict[str, Any]], world_size: int, name: str, title: str) -> None:
+    """Each rank on cuda:LOCAL_RANK, the current device; the ranks of a host see the same GPUs."""
+    record(
+        name,
+        title,
+        ["rank", "device", "current device", "GPUs seen", "CUDA_VISIBLE_DEVICES", "GPU", "uuid"],
+        [
+            [r, p["device"], p["current"], p["count"], p["visible"], p["name"], p["uuid"]]
+            for r, p in sorted(found.items())
+        ],
+    )
+    assert sorted(found) == list(range(world_size))
+    for rank, p in found.items():
+        assert p["device"] == f"cuda:{p['local_rank']}", (rank, p)
+        assert p["current"] == p["local_rank"], f"rank {rank}: set_device({p['local_rank']}) did not hold: {p}"
+        assert p["count"] >= world_size, f"rank {rank} sees {p['count']} GPU(s): the world's GPUs must all be visible"
+    assert len({p["visible"] for p in found.values()}) == 1, "ranks of one host see different GPU lists"
+    assert len({p["uuid"] for p in found.values()}) == world_size, "two ranks share a GPU"
+
+
+# ---------------------------------------------------------------- the device rule, on hardware
+
+
+def test_every_rank_sees_the_world_gpus_and_uses_cuda_local_rank(gpu_world: DDPCluster) -> None:
+    check_placements(placements(gpu_world), gpu_world.world_size, "placement", "Device of each rank (local world)")
+    assert all(info.device == f"cuda:{info.local_rank}" for info in gpu_world.ranks)
+
+
+def test_ddp_on_nccl_matches_one_process_on_the_combined_batch(gpu_world: DDPCluster) -> None:
+    n = gpu_world.world_size
+    gpu_world.execute(
+        # ranks start from different weights: wrapping must broadcast rank 0's
+        "model = ddp_notebook.prepare_model(make_model(seed=1234 + rank))\n"
+        "x, y = make_data(STEPS, BATCH * world_size)\n"
+        "loader = ddp_notebook.prepare_loader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=LR)\n"
+        "for xb, yb in loader:\n"
+        "    optimizer.zero_grad()\n"
+        "    torch.nn.functional.cross_entropy(model(xb.to(device)), yb.to(device)).backward()\n"
+        "    optimizer.step()\n"
+        "params = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}\n"
+        "ddp_param_device = str(next(model.parameters()).device)\n",
+        stream=False,
+    )
+    per_rank = gpu_world.pull("params")
+    assert gpu_world.pull("ddp_param_device") == {
+        r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)
+    }
+    expected = reference_parameters(n)
+    worst = 0.0
+    for name, value in expected.items():
+        for rank in range(1, n):
+            assert torch.equal(per_rank[0][name], per_rank[rank][name]), f"ranks 0 and {rank} disagree on {name}"
+        torch.testing.assert_close(per_rank[0][name], value, rtol=1e-4, atol=1e-5)
+        worst = max(worst, float((per_rank[0][name] - value).abs().max()))
+    record(
+        "ddp_equality",
+        "DDP on nccl against one process on the combined batch",
+        ["ranks", "steps", "batch per rank", "largest parameter difference", "ranks identical"],
+        [[n, STEPS, BATCH_PER_RANK, f"{worst:.2e}", "yes"]],
+        "one process trains on the CPU in float32; tolerance rtol 1e-4, atol 1e-5",
+    )
+
+
+def reference_parameters(world_size: int) -> dict[str, torch.Tensor]:
+    """One process on the CPU (no CUDA context in the test process), global batch = all ranks' batches."""
+    scope: dict[str, Any] = {}
+    exec(MODEL_CODE, scope)
+    model = scope["make_model"]()
+    global_batch = BATCH_PER_RANK * world_size
+    x, y = scope["make_data"](STEPS, global_batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        rows = slice(step * global_batch, (step + 1) * global_batch)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_no_rank_holds_a_context_on_another_ranks_gpu(gpu_world: DDPCluster) -> None:
+    """Asked of the CUDA driver inside each rank, after collectives of every kind."""
+    gpu_world.execute(COLLECTIVES_CODE, stream=False)
+    assert set(gpu_world.pull("collectives_ok").values()) == {True}
+    gpu_world.execute(CONTEXTS_CODE, stream=False)
+    active = gpu_world.pull("active_contexts")
+    found = placements(gpu_world)
+    record(
+        "contexts_driver",
+        "Active primary CUDA contexts of each rank's process (CUDA driver API), after the collectives",
+        ["rank", "device", "contexts on (CUDA numbering)"],
+        [[r, found[r]["device"], ",".join(map(str, active[r]))] for r in sorted(active)],
+    )
+    for rank, ordinals in active.items():
+        assert ordinals == [found[rank]["local_rank"]], f"rank {rank} holds contexts on GPUs {ordinals}"
+
+
+def test_nvml_lists_each_rank_on_its_own_gpu_only(gpu_world: DDPCluster) -> None:
+    """NVML's per-process list, read from outside the ranks."""
+    gpu_world.execute(COLLECTIVES_CODE, stream=False)
+    found = placements(gpu_world)
+    contexts, source = nvml_contexts()
+    pids = {rank: p["pid"] for rank, p in found.items()}
+    if not any(pid in contexts for pid in pids.values()):
+        pytest.skip(f"{source} lists none of the ranks' PIDs (a container's PID namespace?): {sorted(contexts)}")
+    record(
+        "contexts_nvml",
+        f"GPUs on which each rank's process has a context, from {source}",
+        ["rank", "pid", "own GPU", "GPUs with a context of this process"],
+        [
+            [
+                r,
+                pids[r],
+                normal_uuid(found[r]["uuid"])[:13],
+                ",".join(u[:13] for u in sorted(contexts.get(pids[r], ()))),
+            ]
+            for r in sorted(found)
+        ],
+    )
+    for rank, pid in pids.items():
+        assert contexts.get(pid) == {normal_uuid(found[rank]["uuid"])}, (
+            f"rank {rank} (pid {pid}) has contexts on {contexts.get(pid)}, "
+            f"its GPU is {normal_uuid(found[rank]['uuid'])}"
+        )
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI's mpiexec is not installed")
+def test_a_world_through_the_mpi_launcher_follows_the_same_rule() -> None:
+    n = need_gpus(2)
+    world = start_world(n, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV)
+    try:
+        check_placements(placements(world), n, "placement_mpi", "Device of each rank (MPI launcher)")
+        world.execute(COLLECTIVES_CODE + CONTEXTS_CODE, stream=False)
+        found = world.pull("placement")
+        assert world.pull("active_contexts") == {r: [p["local_rank"]] for r, p in found.items()}
+    finally:
+        stop_world(world)
+
+
+# ---------------------------------------------------------------- frameworks that pick cuda:LOCAL_RANK
+
+
+def need_package(*names: str) -> str:
+    for name in names:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    pytest.skip(f"{' or '.join(names)} is not installed here")
+
+
+def test_fsdp2_matches_one_process(gpu_world: DDPCluster) -> None:
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no torch.distributed.fsdp")
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):
+        pytest.skip(f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    gpu_world.execute(
+        "from torch.distributed.fsdp import fully_shard\n"
+        "net = make_model(seed=1234).to(device)\n"
+        "for layer in net:\n"
+        "    if isinstance(layer, torch.nn.Linear):\n"
+        "        fully_shard(layer)\n"
+        "fully_shard(net)\n"
+        "x, y = make_data(STEPS, BATCH * world_size)\n"
+        "optimizer = torch.optim.SGD(net.parameters(), lr=LR)\n"
+        "for step in range(STEPS):\n"
+        "    optimizer.zero_grad()\n"
+        "    rows = my_rows(step)\n"
+        "    torch.nn.functional.cross_entropy(net(x[rows].to(device)), y[rows].to(device)).backward()\n"
+        "    optimizer.step()\n"
+        "fsdp_params = {k: v.full_tensor().detach().cpu() for k, v in net.state_dict().items()}\n"
+        "fsdp_device = str(next(net.parameters()).device)\n",
+        stream=False,
+    )
+    assert gpu_world.pull("fsdp_device") == {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    expected = reference_parameters(gpu_world.world_size)
+    for name, value in expected.items():
+        torch.testing.assert_close(gpu_world.pull("fsdp_params", ranks=[0])[0][name], value, rtol=1e-4, atol=1e-5)
+    record_framework("fsdp2", "FSDP2 (fully_shard)", gpu_world, "matches one process on the combined batch")
+
+
+def test_accelerate_picks_cuda_local_rank(gpu_world: DDPCluster) -> None:
+    need_package("accelerate")
+    gpu_world.execute(
+        "from accelerate import Accelerator\n"
+        "accelerator = Accelerator()\n"
+        "acc_model = make_model(seed=1234 + rank)\n"  # prepare() wraps it in DDP: rank 0's weights everywhere
+        "acc_optimizer = torch.optim.SGD(acc_model.parameters(), lr=LR)\n"
+        "acc_model, acc_optimizer = accelerator.prepare(acc_model, acc_optimizer)\n"
+        "x, y = make_data(STEPS, BATCH * world_size)\n"
+        "for step in range(STEPS):\n"
+        "    rows = my_rows(step)\n"
+        "    xb, yb = x[rows].to(accelerator.device), y[rows].to(accelerator.device)\n"
+        "    loss = torch.nn.functional.cross_entropy(acc_model(xb), yb)\n"
+        "    accelerator.backward(loss)\n"
+        "    acc_optimizer.step()\n"
+        "    acc_optimizer.zero_grad()\n"
+        "acc_device = str(accelerator.device)\n"
+        "acc_kind = (accelerator.distributed_type.name, accelerator.num_processes)\n"
+        "acc_params = {k: v.detach().cpu() for k, v in accelerator.unwrap_model(acc_model).state_dict().items()}\n",
+        stream=False,
+    )
+    assert gpu_world.pull("acc_device") == {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    assert set(gpu_world.pull("acc_kind").values()) == {("MULTI_GPU", gpu_world.world_size)}
+    for name, value in reference_parameters(gpu_world.world_size).items():
+        torch.testing.assert_close(gpu_world.pull("acc_params", ranks=[0])[0][name], value, rtol=1e-4, atol=1e-5)
+    record_framework("accelerate", "Accelerate (Accelerator.prepare)", gpu_world, "matches one process")
+
+
+def test_hf_trainer_picks_cuda_local_rank(gpu_world: DDPCluster, tmp_path: Path) -> None:
+    need_package("transformers")
+    gpu_world.push({"HF_OUT": str(tmp_path / "hf")})
+    gpu_world.execute(
+        "import transformers\n"
+        "class HFNet(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = make_model(seed=1234 + rank)\n"  # equal only once DDP broadcast rank 0's
+        "    def forward(self, x, labels):\n"
+        "        return {'loss': torch.nn.functional.cross_entropy(self.body(x), labels)}\n"
+        "class HFRows(torch.utils.data.Dataset):\n"
+        "    def __init__(self):\n"
+        "        self.x, self.y = make_data(STEPS, BATCH * world_size)\n"
+        "    def __len__(self):\n"
+        "        return len(self.y)\n"
+        "    def __getitem__(self, i):\n"
+        "        return {'x': self.x[i], 'labels': self.y[i]}\n"
+        "hf_args = transformers.TrainingArguments(output_dir=HF_OUT, per_device_train_batch_size=BATCH, "
+        "max_steps=STEPS, report_to='none', save_strategy='no', logging_strategy='no', disable_tqdm=True)\n"
+        "hf_trainer = transformers.Trainer(model=HFNet(), args=hf_args, train_dataset=HFRows())\n"
+        "hf_trainer.train()\n"
+        "hf_device = str(hf_args.device)\n"
+        "hf_param_device = str(next(hf_trainer.model.parameters()).device)\n"
+        "hf_same = gathered_equal(hf_trainer.model)\n"
+        "hf_kind = (hf_args.parallel_mode.name, hf_args.world_size)\n",
+        stream=False,
+    )
+    expected = {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    assert gpu_world.pull("hf_device") == expected
+    assert gpu_world.pull("hf_param_device") == expected
+    assert set(gpu_world.pull("hf_same").values()) == {True}
+    assert set(gpu_world.pull("hf_kind").values()) == {("DISTRIBUTED", gpu_world.world_size)}
+    record_framework("hf_trainer", "Hugging Face Trainer", gpu_world, "ranks end with identical parameters")
+
+
+def test_lightning_picks_cuda_local_rank(tmp_path: Path) -> None:
+    package = need_package("lightning", "pytorch_lightning")
+    n = need_gpus(2)
+    world = start_world(n)  # a world of its own: Lightning tears down what it set up when fit() ends
+    try:
+        world.push(
+            {
+                "MODEL_CODE": MODEL_CODE,
+                "STEPS": STEPS,
+                "BATCH": BATCH_PER_RANK,
+                "LR": LR,
+                "PL_OUT": str(tmp_path),
+                "PL_MODULE": "lightning.pytorch" if package == "lightning" else "pytorch_lightning",
+            }
+        )
+        world.execute(
+            "exec(MODEL_CODE)\n"
+            "import importlib, os\n"
+            "pl = importlib.import_module(PL_MODULE)\n"
+            "connector = importlib.import_module(PL_MODULE + '.trainer.connectors.accelerator_connector')\n"
+            # Lightning refuses strategy='ddp' where sys.ps1 is set, as in every IPython kernel; a rank
+            # is one process of a world started from outside, like a torchrun worker
+            "if hasattr(connector, '_IS_INTERACTIVE'):\n"
+            "    connector._IS_INTERACTIVE = False\n"
+            "class PLNet(pl.LightningModule):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.net = make_model(seed=1234 + rank)\n"  # equal only once DDP broadcast rank 0's
+            "    def training_step(self, batch, index):\n"
+            "        x, y = batch\n"
+            "        return torch.nn.functional.cross_entropy(self.net(x), y)\n"
+            "    def configure_optimizers(self):\n"
+            "        return torch.optim.SGD(self.parameters(), lr=LR)\n"
+            "x, y = make_data(STEPS, BATCH * world_size)\n"
+            "pl_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)\n"
+            "pl_trainer = pl.Trainer(accelerator='gpu', devices=int(os.environ['LOCAL_WORLD_SIZE']), num_nodes=1, "
+            "strategy='ddp', max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False, "
+            "enable_model_summary=False, default_root_dir=PL_OUT)\n"
+            "pl_module = PLNet()\n"
+            "pl_trainer.fit(pl_module, pl_loader)\n"
+            "pl_device = str(pl_trainer.strategy.root_device)\n"
+            "pl_param_device = str(next(pl_module.parameters()).device)\n"
+            "pl_same = gathered_equal(pl_module)\n",
+            stream=False,
+        )
+        expected = {r: f"cuda:{info.local_rank}" for r, info in enumerate(world.ranks)}
+        assert world.pull("pl_device") == expected
+        assert world.pull("pl_param_device") == expected
+        assert set(world.pull("pl_same").values()) == {True}
+        record_framework("lightning", f"Lightning ({package}) Trainer(strategy='ddp')", world, "identical parameters")
+    finally:
+        stop_world(world)
+
+
+def record_framework(name: str, title: str, world: DDPCluster, outcome: str) -> None:
+    record(
+        f"framework_{name}",
+        title,
+        ["ranks", "devices", "outcome"],
+        [[world.world_size, ", ".join(f"cuda:{info.local_rank}" for info in world.ranks), outcome]],
+    )
+
+
+# ---------------------------------------------------------------- notebook 04 on GPUs
+
+
+@pytest.mark.timeout(900)
+def test_notebook_04_dataparallel_vs_ddp_on_gpus(tmp_path: Path) -> None:
+    need_gpus(2)
+    import nbformat
+    from nbclient import NotebookClient
+
+    from tests.test_notebooks import STEPS_ROW, check_dataparallel_vs_ddp, outputs_text
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "04_dataparallel_vs_ddp.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
+    text = outputs_text(notebook)
+    errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    assert errors == [], f"{errors[0].get('ename')}: {errors[0].get('evalue')}"
+    rows = [m.group(0).split() for m in STEPS_ROW.finditer(text)]
+    record(
+        "notebook_04",
+        "Notebook 04: one process, DataParallel and DDP on the same model, data and global batch",
+        ["method", "processes", "devices", "threads each", "batch each", "steps/s", "samples/s"],
+        [[" ".join(r[:-7]), *r[-7:-6], " ".join(r[-6:-4]), *r[-4:]] for r in rows],
+        "\n".join(line for line in text.splitlines() if line.startswith(("DDP, ", "(The published"))),
+    )
+    check_dataparallel_vs_ddp(notebook, text)
+    methods = {m.group(1) for m in STEPS_ROW.finditer(text)}
+    assert "DataParallel" in methods, "DataParallel must run with 2+ GPUs"
+    assert any(" cuda " in line for line in text.splitlines() if line.startswith("DDP, ")), text
