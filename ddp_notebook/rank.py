@@ -187,7 +187,7 @@ def _choose_device(backend: str, gpu: str | None = None, local_rank: int = 0) ->
     if not torch.backends.cuda.is_built():
         raise RuntimeError(
             f"this rank was given {given} but torch here has no CUDA support (torch {torch.__version__}); "
-            "install a CUDA build of torch or use --backend gloo"
+            "install a CUDA build of torch, or start CPU ranks (--backend gloo, without --gpus)"
         )
     index = local_rank  # layout.rank_device: cuda:LOCAL_RANK, whichever launcher started the rank
     try:
