@@ -201,6 +201,11 @@ def gpu_world() -> Iterator[DDPCluster]:
         stop_world(world)
 
 
+def rule(world: DDPCluster) -> dict[int, str]:
+    """The device each rank must use: cuda:LOCAL_RANK."""
+    return {info.rank: f"cuda:{info.local_rank}" for info in world.ranks}
+
+
 def placements(world: DDPCluster) -> dict[int, dict[str, Any]]:
     world.execute(PLACEMENT_CODE, stream=False)
     return world.pull("placement")
@@ -251,9 +256,7 @@ def test_ddp_on_nccl_matches_one_process_on_the_combined_batch(gpu_world: DDPClu
         stream=False,
     )
     per_rank = gpu_world.pull("params")
-    assert gpu_world.pull("ddp_param_device") == {
-        r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)
-    }
+    assert gpu_world.pull("ddp_param_device") == rule(gpu_world)
     expected = reference_parameters(n)
     worst = 0.0
     for name, value in expected.items():
@@ -377,7 +380,7 @@ def test_fsdp2_matches_one_process(gpu_world: DDPCluster) -> None:
         "fsdp_device = str(next(net.parameters()).device)\n",
         stream=False,
     )
-    assert gpu_world.pull("fsdp_device") == {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    assert gpu_world.pull("fsdp_device") == rule(gpu_world)
     expected = reference_parameters(gpu_world.world_size)
     for name, value in expected.items():
         torch.testing.assert_close(gpu_world.pull("fsdp_params", ranks=[0])[0][name], value, rtol=1e-4, atol=1e-5)
@@ -405,7 +408,7 @@ def test_accelerate_picks_cuda_local_rank(gpu_world: DDPCluster) -> None:
         "acc_params = {k: v.detach().cpu() for k, v in accelerator.unwrap_model(acc_model).state_dict().items()}\n",
         stream=False,
     )
-    assert gpu_world.pull("acc_device") == {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    assert gpu_world.pull("acc_device") == rule(gpu_world)
     assert set(gpu_world.pull("acc_kind").values()) == {("MULTI_GPU", gpu_world.world_size)}
     for name, value in reference_parameters(gpu_world.world_size).items():
         torch.testing.assert_close(gpu_world.pull("acc_params", ranks=[0])[0][name], value, rtol=1e-4, atol=1e-5)
@@ -440,7 +443,7 @@ def test_hf_trainer_picks_cuda_local_rank(gpu_world: DDPCluster, tmp_path: Path)
         "hf_kind = (hf_args.parallel_mode.name, hf_args.world_size)\n",
         stream=False,
     )
-    expected = {r: f"cuda:{info.local_rank}" for r, info in enumerate(gpu_world.ranks)}
+    expected = rule(gpu_world)
     assert gpu_world.pull("hf_device") == expected
     assert gpu_world.pull("hf_param_device") == expected
     assert set(gpu_world.pull("hf_same").values()) == {True}
@@ -493,7 +496,7 @@ def test_lightning_picks_cuda_local_rank(tmp_path: Path) -> None:
             "pl_same = gathered_equal(pl_module)\n",
             stream=False,
         )
-        expected = {r: f"cuda:{info.local_rank}" for r, info in enumerate(world.ranks)}
+        expected = rule(world)
         assert world.pull("pl_device") == expected
         assert world.pull("pl_param_device") == expected
         assert set(world.pull("pl_same").values()) == {True}
