@@ -20,19 +20,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .cluster import CellResult, DDPCluster, RankInfo, RankStatus
+from .cluster import DDPCluster
 from .config import WorldConfig
 from .errors import (
     CellInterruptedError,
     CellTimeoutError,
     DDPError,
     DDPUsageError,
+    InsecureNetworkWarning,
     NotRunningError,
     RankDiedError,
     RankError,
     StartError,
     WorldBrokenError,
 )
+from .outcome import CellOutcome, Ending
+from .results import CellResult, RankInfo, RankStatus
+from .state import WorldState
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
@@ -44,11 +48,14 @@ _CHANNEL_NAMES = ("Metrics", "log", "progress")
 
 __all__ = [
     "CellInterruptedError",
+    "CellOutcome",
     "CellResult",
     "CellTimeoutError",
     "DDPCluster",
     "DDPError",
     "DDPUsageError",
+    "Ending",
+    "InsecureNetworkWarning",
     "Metrics",
     "NotRunningError",
     "RankDiedError",
@@ -58,6 +65,7 @@ __all__ = [
     "StartError",
     "WorldBrokenError",
     "WorldConfig",
+    "WorldState",
     "__version__",
     "barrier",
     "is_main",

@@ -6,24 +6,18 @@ leaves nothing behind (as accelerate's launchers do).
 
 from __future__ import annotations
 
-import ast
 import ipaddress
 import os
-import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import devices, network
+from . import devices, launchers, network
 from .errors import DDPUsageError
 
 Backend = Literal["gloo", "nccl"]
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
-# ipyparallel's engine launchers we start worlds with ("local": one process per rank, here)
-LAUNCHERS = ("local", "mpi", "slurm", "ssh", "pbs", "sge", "lsf", "htcondor")
-# launchers whose ranks usually run on other hosts: the controller listens beyond loopback
-_REMOTE_LAUNCHERS = ("slurm", "ssh", "pbs", "sge", "lsf", "htcondor")
 
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
@@ -32,9 +26,11 @@ MAX_DEFAULT_CPU_RANKS = 4
 
 @dataclass(frozen=True)
 class WorldConfig:
-    """Settings of one world of ranks on this machine.
+    """Settings of one world of ranks: what `DDPCluster(config)` starts.
 
-    `gpus[i]` is the GPU pinned to rank i (a CUDA_VISIBLE_DEVICES entry); empty on CPU.
+    Make one with `WorldConfig.build(n_ranks, **options)`, which fills in the defaults from
+    this machine (GPUs, cores, addresses), or directly with every field given.
+    `gpus[i]` is the GPU of rank i (a CUDA_VISIBLE_DEVICES entry); empty on CPU.
     `timeout` bounds every collective (torch's default of 30 minutes would freeze a notebook).
     """
 
@@ -86,6 +82,72 @@ class WorldConfig:
     def device_kind(self) -> str:
         return "cuda" if self.gpus else "cpu"
 
+    @classmethod
+    def build(
+        cls,
+        n_ranks: int | None = None,
+        *,
+        backend: str = "auto",
+        gpus: str | Iterable[int | str] | None = None,
+        timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        cell_timeout: float | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        env: Mapping[str, str] | None = None,
+        ip: str | None = None,
+        curve: bool = False,
+        launcher: str = launchers.LOCAL,
+        profile: str | None = None,
+        python: str | None = None,
+        settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
+        attach: AttachTarget | None = None,
+        **shortcuts: Any,
+    ) -> WorldConfig:
+        """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
+
+        - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores);
+        - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
+        - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
+          does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores;
+        - `ip`: where the controller listens: loopback unless asked, or for launchers that start
+          ranks on other hosts (ssh, slurm, ...) this machine's address on its default route;
+          beyond loopback, CurveZMQ encryption is always on;
+        - `launcher`: `local` or one of ipyparallel's launchers, with `profile`'s configuration,
+          `settings` (`Class.trait=value` or {class: {trait: value}}) and the shortcut options
+          of `launchers.SHORTCUTS` (`hosts`, `partition`, `account`, `time_limit`, `mpi_args`,
+          `ssh_args`); ranks started elsewhere may get their number from the launch (ssh
+          hosts, the attached cluster), their backend and GPUs from what their hosts have;
+        - `attach`: use the engines of a cluster started elsewhere instead of starting ranks.
+        """
+        unknown = set(shortcuts) - set(launchers.SHORTCUTS)
+        if unknown:
+            raise TypeError(f"unknown world option(s): {', '.join(sorted(unknown))}")
+        name = launchers.check(launcher)
+        launch = LaunchConfig(
+            launcher=name,
+            profile=profile,
+            settings=launchers.settings_for(name, _as_settings(settings), **shortcuts),
+            python=python or sys.executable,
+            attach=attach,
+        )
+        address = parse_ip(ip) if ip is not None else _default_address(launch)
+        if not is_loopback(address) and network.interface_of(address) is None:
+            raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
+        if backend not in BACKEND_CHOICES:
+            raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
+        placement = (
+            _ranks_here(n_ranks, backend, gpus) if launch.is_local else _ranks_elsewhere(n_ranks, backend, gpus, launch)
+        )
+        return cls(
+            **placement,
+            timeout=timeout,
+            cell_timeout=cell_timeout,
+            start_timeout=start_timeout,
+            env=dict(env or {}),
+            master_addr=address,
+            curve=curve or not is_loopback(address),
+            launch=launch,
+        )
+
 
 @dataclass(frozen=True)
 class AttachTarget:
@@ -117,13 +179,12 @@ class LaunchConfig:
     attach: AttachTarget | None = None
 
     def __post_init__(self) -> None:
-        if self.launcher not in LAUNCHERS:
-            raise DDPUsageError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {self.launcher!r}")
+        launchers.check(self.launcher)
 
     @property
     def is_local(self) -> bool:
         """Ranks started here, one process per rank (the rank's env and GPU set before it starts)."""
-        return self.launcher == "local" and self.attach is None
+        return self.launcher == launchers.LOCAL and self.attach is None
 
 
 def _check_seconds(name: str, value: float) -> None:
@@ -131,42 +192,8 @@ def _check_seconds(name: str, value: float) -> None:
         raise DDPUsageError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
-def resolve(
-    n_ranks: int | None = None,
-    *,
-    backend: str = "auto",
-    gpus: str | list[int | str] | tuple[int | str, ...] | None = None,
-    timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
-    cell_timeout: float | None = None,
-    start_timeout: float = DEFAULT_START_TIMEOUT,
-    env: dict[str, str] | None = None,
-    ip: str | None = None,
-    curve: bool = False,
-    launch: LaunchConfig | None = None,
-) -> WorldConfig:
-    """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
-
-    - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores);
-    - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
-    - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
-      does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores;
-    - `ip`: where the controller listens: loopback unless asked, or for launchers that start
-      ranks on other hosts (ssh, slurm, ...) this machine's address on its default route;
-      beyond loopback, CurveZMQ encryption is always on;
-    - ranks started elsewhere (`launch`: mpi, slurm, ssh..., or attaching): their number may
-      come from the launch (ssh hosts, the attached cluster), their backend and GPUs from what
-      their hosts have, found once they report.
-    """
-    launch = launch or LaunchConfig()
-    address = parse_ip(ip) if ip is not None else _default_address(launch)
-    if not is_loopback(address) and network.interface_of(address) is None:
-        raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
-    if backend not in BACKEND_CHOICES:
-        raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
-    if not launch.is_local:
-        return _resolve_elsewhere(
-            n_ranks, backend, gpus, timeout, cell_timeout, start_timeout, env, address, curve, launch
-        )
+def _ranks_here(n_ranks: int | None, backend: str, gpus: str | Iterable[int | str] | None) -> dict[str, Any]:
+    """Rank count, backend, GPUs and threads of a world started on this machine."""
     chosen_gpus = _parse_gpus(gpus) if gpus is not None else None
     available = devices.visible_gpus()
     if chosen_gpus is None:
@@ -195,46 +222,24 @@ def resolve(
         unknown = [g for g in chosen_gpus if available and g not in available]
         if unknown:
             raise DDPUsageError(f"GPU(s) {','.join(unknown)} not visible; visible: {','.join(available) or 'none'}")
-    resolved_backend: Backend = (
-        "nccl"
-        if (backend == "auto" and chosen_gpus)
-        else (
-            "gloo" if backend == "auto" else backend  # type: ignore[assignment]
-        )
-    )
-    if resolved_backend == "nccl" and not chosen_gpus:
+    resolved = ("nccl" if chosen_gpus else "gloo") if backend == "auto" else backend
+    if resolved == "nccl" and not chosen_gpus:
         raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo (or auto)")
-    return WorldConfig(
-        n_ranks=n_ranks,
-        backend=resolved_backend,
-        gpus=tuple(chosen_gpus),
-        timeout=timeout,
-        cell_timeout=cell_timeout,
-        start_timeout=start_timeout,
-        threads_per_rank=_threads_per_rank(n_ranks, bool(chosen_gpus)),
-        env=dict(env or {}),
-        master_addr=address,
-        curve=curve or not is_loopback(address),
-    )
+    return {
+        "n_ranks": n_ranks,
+        "backend": resolved,
+        "gpus": tuple(chosen_gpus),
+        "threads_per_rank": _threads_per_rank(n_ranks, bool(chosen_gpus)),
+    }
 
 
-def _resolve_elsewhere(
-    n_ranks: int | None,
-    backend: str,
-    gpus: object,
-    timeout: float,
-    cell_timeout: float | None,
-    start_timeout: float,
-    env: dict[str, str] | None,
-    address: str,
-    curve: bool,
-    launch: LaunchConfig,
-) -> WorldConfig:
+def _ranks_elsewhere(n_ranks: int | None, backend: str, gpus: object, launch: LaunchConfig) -> dict[str, Any]:
+    """Rank count and threads of a world started by a launcher or attached; backend decided later."""
     if gpus is not None:
         raise DDPUsageError(
             "--gpus chooses GPUs of this machine; ranks started elsewhere use their host's GPUs by LOCAL_RANK"
         )
-    host_total = ssh_host_total(launch.settings)
+    host_total = launchers.ssh_host_total(launch.settings)
     if n_ranks is None:
         n_ranks = host_total
     if n_ranks is None and launch.attach is None:
@@ -242,23 +247,22 @@ def _resolve_elsewhere(
     if n_ranks is not None and host_total is not None and n_ranks != host_total:
         raise DDPUsageError(f"{n_ranks} ranks asked for but the ssh hosts list {host_total} engines")
     threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return WorldConfig(
-        n_ranks=n_ranks,
-        backend=backend,  # type: ignore[arg-type]
-        timeout=timeout,
-        cell_timeout=cell_timeout,
-        start_timeout=start_timeout,
-        # ranks elsewhere share their host's cores with unknown neighbours: torchrun's default
-        threads_per_rank=int(threads) if threads.isdigit() and int(threads) > 0 else 1,
-        env=dict(env or {}),
-        master_addr=address,
-        curve=curve or not is_loopback(address),
-        launch=launch,
-    )
+    # ranks elsewhere share their host's cores with unknown neighbours: torchrun's default
+    return {
+        "n_ranks": n_ranks,
+        "backend": backend,
+        "threads_per_rank": int(threads) if threads.isdigit() and int(threads) > 0 else 1,
+    }
+
+
+def _as_settings(
+    settings: Iterable[str] | Mapping[str, Mapping[str, Any]],
+) -> list[str] | Mapping[str, Mapping[str, Any]]:
+    return settings if isinstance(settings, Mapping) else list(settings)
 
 
 def _default_address(launch: LaunchConfig) -> str:
-    if launch.launcher not in _REMOTE_LAUNCHERS:
+    if launch.attach is not None or not launchers.starts_ranks_elsewhere(launch.launcher):
         return "127.0.0.1"
     address = network.primary_address()
     if address is None:
@@ -267,109 +271,6 @@ def _default_address(launch: LaunchConfig) -> str:
             "they could reach it at; give one with --ip ADDRESS"
         )
     return address
-
-
-def ssh_host_total(settings: Mapping[str, Mapping[str, Any]]) -> int | None:
-    """How many engines the SSH launcher's host list starts (None: no host list)."""
-    engines = settings.get("SSHEngineSetLauncher", {}).get("engines")
-    if not engines:
-        return None
-    total = 0
-    for count in engines.values():
-        total += count[0] if isinstance(count, (tuple, list)) else int(count)
-    return total
-
-
-def parse_hosts(text: str) -> dict[str, int]:
-    """'node1,node2:2' -> {'node1': 1, 'node2': 2} (engines per host, for the SSH launcher)."""
-    hosts: dict[str, int] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        host, colon, count_text = part.rpartition(":") if ":" in part else (part, "", "1")
-        if not colon:
-            host = part
-        try:
-            count = int(count_text)
-        except ValueError:
-            raise DDPUsageError(f"cannot read host '{part}': write HOST or HOST:RANKS, e.g. node1:2,node2:2") from None
-        if not host or count < 1:
-            raise DDPUsageError(f"cannot read host '{part}': write HOST or HOST:RANKS with RANKS >= 1")
-        hosts[host] = hosts.get(host, 0) + count
-    if not hosts:
-        raise DDPUsageError("--hosts needs at least one host, e.g. --hosts node1:2,node2:2")
-    return hosts
-
-
-def parse_setting(text: str) -> tuple[str, str, Any]:
-    """'Class.trait=value' (ipyparallel configuration) -> (class, trait, value).
-
-    The value is read as a Python literal where it is one (numbers, lists, dicts, quoted
-    strings), else taken as a plain string, as on ipcluster's command line.
-    """
-    name, equals, value_text = text.partition("=")
-    class_name, dot, trait = name.strip().lstrip("-").rpartition(".")
-    if not equals or not dot or not class_name.isidentifier() or not trait.isidentifier():
-        raise DDPUsageError(
-            f"cannot read setting '{text}': write Class.trait=value, e.g. SlurmEngineSetLauncher.qos=high"
-        )
-    try:
-        value: Any = ast.literal_eval(value_text.strip())
-    except (ValueError, SyntaxError):
-        value = value_text.strip()
-    return class_name, trait, value
-
-
-def launcher_settings(
-    launcher: str,
-    *,
-    hosts: str | Mapping[str, int] | None = None,
-    partition: str | None = None,
-    account: str | None = None,
-    time_limit: str | None = None,
-    mpi_args: str | Sequence[str] | None = None,
-    ssh_args: str | Sequence[str] | None = None,
-    settings: Sequence[str] | Mapping[str, Mapping[str, Any]] = (),
-) -> dict[str, dict[str, Any]]:
-    """The ipyparallel configuration for common launcher options, plus any `Class.trait=value`."""
-    merged: dict[str, dict[str, Any]] = {}
-
-    def put(class_name: str, trait: str, value: Any) -> None:
-        merged.setdefault(class_name, {})[trait] = value
-
-    def wrong(option: str, needs: str) -> DDPUsageError:
-        return DDPUsageError(f"{option} is for the {needs} launcher; this world uses --launcher {launcher}")
-
-    if hosts is not None:
-        if launcher != "ssh":
-            raise wrong("--hosts", "ssh")
-        put("SSHEngineSetLauncher", "engines", dict(parse_hosts(hosts) if isinstance(hosts, str) else hosts))
-    for option, trait, value in (("--partition", "queue", partition), ("--account", "account", account),
-                                 ("--time", "timelimit", time_limit)):  # fmt: skip
-        if value is not None:
-            if launcher != "slurm":
-                raise wrong(option, "slurm")
-            put("SlurmEngineSetLauncher", trait, value)
-    if mpi_args is not None:
-        if launcher != "mpi":
-            raise wrong("--mpi-args", "mpi")
-        put("MPIEngineSetLauncher", "mpi_args", shlex.split(mpi_args) if isinstance(mpi_args, str) else list(mpi_args))
-    if ssh_args is not None:
-        if launcher != "ssh":
-            raise wrong("--ssh-args", "ssh")
-        split = shlex.split(ssh_args) if isinstance(ssh_args, str) else list(ssh_args)
-        put("SSHLauncher", "ssh_args", split)
-        if "-p" not in split:  # scp spells the port -P; the rest (-F, -i, -o, -J) is shared
-            put("SSHLauncher", "scp_args", split)
-    if isinstance(settings, Mapping):
-        for class_name, traits in settings.items():
-            for trait, value in traits.items():
-                put(class_name, trait, value)
-    else:
-        for text in settings:
-            put(*parse_setting(text))
-    return merged
 
 
 def parse_ip(text: str) -> str:
@@ -389,7 +290,7 @@ def _check_rank_count(n_ranks: object) -> None:
         raise DDPUsageError(f"number of ranks must be a whole number >= 1, got {n_ranks!r}")
 
 
-def _parse_gpus(gpus: str | list[int | str] | tuple[int | str, ...]) -> tuple[str, ...]:
+def _parse_gpus(gpus: str | Iterable[int | str]) -> tuple[str, ...]:
     items = gpus.split(",") if isinstance(gpus, str) else [str(g) for g in gpus]
     parsed = tuple(item.strip() for item in items if item.strip())
     if not parsed:

@@ -130,3 +130,7 @@ def one_line(failure: BaseException) -> str:
         return f"{ename}: {evalue}" if evalue else str(ename)
     text = str(failure).strip().splitlines()
     return text[-1] if text else type(failure).__name__
+
+
+class InsecureNetworkWarning(UserWarning):
+    """The world's torch.distributed traffic crosses a network: it is neither encrypted nor authenticated."""

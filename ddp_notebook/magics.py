@@ -1,8 +1,13 @@
-"""The `%ddp_*` magics and `%%ddp`: each parses its arguments and makes one API call."""
+"""The `%ddp_*` magics and `%%ddp`: each parses its arguments and makes one API call.
+
+They drive one world per shell: the one `%ddp_start` / `%ddp_attach` started, or one built in
+Python and handed over with `world.activate()`.
+"""
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -11,13 +16,23 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import config
+from . import config, launchers
 from .channel import Feed, Metrics, Recorder
-from .cluster import CellResult, DDPCluster, InsecureNetworkWarning
-from .errors import CellInterruptedError, CellTimeoutError, DDPUsageError
+from .cluster import DDPCluster
+from .config import WorldConfig
+from .errors import DDPUsageError, InsecureNetworkWarning
+from .output import tag_text
 from .report import format_start_summary, format_status, format_values
+from .results import CellResult
 
 F = TypeVar("F", bound=Callable[..., Any])
+# magic options spelled differently from WorldConfig.build's keywords
+_OPTION_KEYWORDS = {"time": "time_limit", "config": "settings"}
+
+
+def _build_options(args: Any, *leave_out: str) -> dict[str, Any]:
+    """The parsed options as `WorldConfig.build` keywords (every option of the magic is one)."""
+    return {_OPTION_KEYWORDS.get(name, name): value for name, value in vars(args).items() if name not in leave_out}
 
 
 def _world_options(method: F) -> F:
@@ -80,6 +95,7 @@ class DDPMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.world: DDPCluster | None = None
+        self.owns_world = False  # started by %ddp_start / %ddp_attach, not handed over by activate()
         # one record of logged metrics for the notebook: it outlives %ddp_stop and restarts
         self.recorder = Recorder()
 
@@ -95,7 +111,7 @@ class DDPMagics(Magics):
     @argument(
         "--launcher",
         default="local",
-        help=f"how ranks are started: {', '.join(config.LAUNCHERS)} (ipyparallel's launchers; default: local)",
+        help=f"how ranks are started: {', '.join(launchers.names())} (ipyparallel's launchers; default: local)",
     )
     @argument("--profile", default=None, help="ipyparallel profile whose ipcluster_config.py to use")
     @argument("--hosts", default=None, help="ssh: hosts and ranks per host, e.g. node1:2,node2:2")
@@ -124,26 +140,7 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp_start, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         _check_backend(args.backend)
-        world = DDPCluster(
-            n_ranks,
-            backend=args.backend,
-            gpus=args.gpus,
-            timeout=args.timeout,
-            cell_timeout=args.cell_timeout,
-            start_timeout=args.start_timeout,
-            ip=args.ip,
-            curve=args.curve,
-            launcher=args.launcher,
-            hosts=args.hosts,
-            partition=args.partition,
-            account=args.account,
-            time_limit=args.time,
-            mpi_args=args.mpi_args,
-            ssh_args=args.ssh_args,
-            settings=args.config,
-            profile=args.profile,
-            python=args.python,
-        )
+        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")))
         self._start(world, args.restart)
 
     @magic_arguments()
@@ -168,15 +165,9 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp_attach, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         _check_backend(args.backend)
+        options = _build_options(args, "url_file", "profile", "cluster_id", "n", "restart")
         world = DDPCluster.attach_to(
-            args.url_file,
-            profile=args.profile,
-            cluster_id=args.cluster_id,
-            n_ranks=n_ranks,
-            backend=args.backend,
-            timeout=args.timeout,
-            cell_timeout=args.cell_timeout,
-            start_timeout=args.start_timeout,
+            args.url_file, profile=args.profile, cluster_id=args.cluster_id, n_ranks=n_ranks, **options
         )
         self._start(world, args.restart)
 
@@ -198,7 +189,20 @@ class DDPMagics(Magics):
         world.recorder = self.recorder
         _preload_widgets()
         _start_and_summarize(world, world.start)
-        self.world = world
+        self.world, self.owns_world = world, True
+
+    def adopt(self, world: DDPCluster) -> None:
+        """Drive `world` (built in Python) from now on: `world.activate()`."""
+        current = self.world
+        if current is world:
+            return
+        if current is not None and current.running and self.owns_world:
+            raise DDPUsageError(
+                f"a world of {current.world_size} ranks started with %ddp_start is running: %ddp_stop it first"
+            )
+        world.recorder = self.recorder
+        _preload_widgets()
+        self.world, self.owns_world = world, False
 
     # ---------------------------------------------------------------- %%ddp
 
@@ -300,30 +304,21 @@ def _make_view() -> Any:
 def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, **kwargs: Any) -> CellResult:
     """Run the cell with `feed` drawing its live view; the view shows how the cell ended."""
     try:
-        result = world.execute(cell, ranks, on_data=feed, **kwargs)
-    except (CellInterruptedError, CellTimeoutError, KeyboardInterrupt):
+        outcome = world.run(cell, ranks, on_data=feed, **kwargs)
+    except KeyboardInterrupt:
         feed.finish("stopped")
         raise
     except BaseException:
         feed.finish("failed")
         raise
-    feed.finish()
-    return result
+    feed.finish(outcome.view_state)
+    return outcome.raise_for_error()
 
 
 def _print_collected(result: CellResult) -> None:
     for rank in result.ranks:
-        for store, name in ((result.stdout, "stdout"), (result.stderr, "stderr")):
-            text = store.get(rank)
-            if text:
-                prefix = f"[rank {rank}] "
-                body = "".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n"))
-                if name == "stderr":
-                    import sys
-
-                    sys.stderr.write(body)
-                else:
-                    print(body, end="")
+        print(tag_text(rank, result.stdout.get(rank, "")), end="")
+        sys.stderr.write(tag_text(rank, result.stderr.get(rank, "")))
 
 
 def load(ipython: Any) -> None:

@@ -1,9 +1,12 @@
 """Rank output as the notebook shows it: whole lines, each tagged `[rank N] `.
 
-Ranks send stdout/stderr in chunks that can split a line anywhere; this keeps the partial
-line of each (rank, stream) until it is complete, so tags never land mid-line. The cost is
-linear in what is printed: each chunk is handled once and never re-sent (ipyparallel's
-`%%px --stream` re-sends the whole accumulated output on every update).
+The one place that formats rank-tagged text: streamed lines, output collected until the
+cell ended, and each rank's last value.
+
+Ranks send stdout/stderr in chunks that can split a line anywhere; `LineAssembler` keeps the
+partial line of each (rank, stream) until it is complete, so tags never land mid-line. The
+cost is linear in what is printed: each chunk is handled once and never re-sent
+(ipyparallel's `%%px --stream` re-sends the whole accumulated output on every update).
 """
 
 from __future__ import annotations
@@ -19,6 +22,21 @@ def tag_lines(rank: int, lines: Iterable[str]) -> str:
     """Prefix each line with its rank; returns text ending in a newline (or empty)."""
     prefix = rank_prefix(rank)
     return "".join(f"{prefix}{line}\n" for line in lines)
+
+
+def tag_text(rank: int, text: str) -> str:
+    """A block of output (as collected from a rank) with every line tagged."""
+    if not text:
+        return ""
+    return tag_lines(rank, text.rstrip("\n").split("\n"))
+
+
+def tag_value(rank: int, text: str) -> str:
+    """A rank's last-expression value, like a kernel's Out[]: continuation lines indented under it."""
+    prefix = f"{rank_prefix(rank)}Out: "
+    first, *rest = text.split("\n")
+    indent = " " * len(prefix)
+    return prefix + first + "".join("\n" + indent + line for line in rest)
 
 
 def _settle_carriage_returns(line: str) -> str:

@@ -13,15 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-def recorded_exit(engine_set: Any) -> int | None:
-    """The exit code ipyparallel's launcher recorded for a stopped engine, if it did."""
-    stop_data = getattr(engine_set, "stop_data", None) or {}
-    for engine in (stop_data.get("engines") or {}).values():
-        if isinstance(engine, dict) and engine.get("exit_code") is not None:
-            return int(engine["exit_code"])
-    return None
-
-
 def describe_exit(code: int | None) -> str:
     """How a rank process ended, in words a user can act on."""
     if code is None:

@@ -13,13 +13,14 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TextIO
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
 
 from .errors import RankFailure, one_line
+from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
+from .outcome import Ending
 from .output import LineAssembler, tag_lines
-
-if TYPE_CHECKING:
-    from .cluster import CellResult
+from .results import CellResult
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0
@@ -32,6 +33,38 @@ DEATH_GRACE_SECONDS = 3.0
 # after a rank failed (or the ranks were interrupted), how long the others may keep running
 # before the finished ranks let go of the process group, releasing peers blocked in it
 RELEASE_AFTER_SECONDS = 1.0
+
+
+class CellSupervisor(Protocol):
+    """What the relay asks of the world while it waits for a cell."""
+
+    def interrupt(self, ranks: tuple[int, ...]) -> None:
+        """Send SIGINT to `ranks`."""
+
+    def find_dead(self, ranks: tuple[int, ...]) -> dict[int, str]:
+        """Ranks among `ranks` whose process is gone, with how each one ended."""
+
+    def where_stuck(self, ranks: tuple[int, ...]) -> str:
+        """One line per rank saying where it is."""
+
+    def release(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks` let go of the process group, so peers blocked in it with them fail."""
+
+
+@dataclass
+class _WaitClock:
+    """The deadlines of one wait for a cell (monotonic seconds)."""
+
+    began: float
+    timeout: float | None
+    ending: Ending = Ending.DONE
+    replied_at: float | None = None
+    stop_at: float | None = None  # set once we interrupted the ranks or one died
+    release_at: float | None = None  # set once some ranks finished badly while others run
+    next_death_check: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_death_check = self.began + DEATH_CHECK_SECONDS
 
 
 class OutputSink:
@@ -87,7 +120,7 @@ class CellRelay:
         self._async_result: Any = None
         self._idle: set[int] = set()
         self.dead: dict[int, str] = {}
-        self.stuck_report = ""
+        self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
 
     def attach(self, async_result: Any) -> None:
@@ -100,14 +133,14 @@ class CellRelay:
         self._async_result = async_result
 
         def register() -> None:
-            for rank, future in zip(self._ranks, async_result._children):
+            for rank, future in zip(self._ranks, message_futures(async_result)):
                 self._catch_up(rank, future)
                 future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
                 # the output future resolves on the rank's 'idle' status, after all its output;
                 # ipyparallel may drop the message future before that status reaches callbacks
                 future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
 
-        self._client._io_loop.add_callback(register)
+        on_io_thread(self._client, register)
         async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
 
     def _catch_up(self, rank: int, future: Any) -> None:
@@ -136,94 +169,92 @@ class CellRelay:
             payload, _ = deserialize_object(msg["buffers"])
             self._queue.put(("data", rank, payload))
 
-    def wait(
-        self,
-        sink: OutputSink,
-        timeout: float | None,
-        interrupt: Callable[[], None],
-        find_dead: Callable[[], dict[int, str]],
-        report_stuck: Callable[[tuple[int, ...]], str] | None = None,
-        release: Callable[[tuple[int, ...]], None] | None = None,
-    ) -> str:
-        """Relay output until every rank is done. Returns 'done', 'timeout' or 'interrupted'.
+    def wait(self, sink: OutputSink, timeout: float | None, supervisor: CellSupervisor) -> Ending:
+        """Relay output until every rank is done; say why the wait ended.
 
         Rank processes found dead are recorded in `self.dead`; the others then get a short
         grace period, in which peers blocked in a collective with the dead rank fail.
         When some ranks finished (a rank raised, or the interrupt reached them) while others
         still run, they may be blocked in a collective waiting for the finished ones, which
-        SIGINT cannot break: after a second, `release(finished ranks)` makes those let go of
-        the process group, so the blocked ones fail within a second too.
+        SIGINT cannot break: after a second, the finished ranks let go of the process group
+        (`supervisor.release`), so the blocked ones fail within a second too.
         """
+        clock = _WaitClock(time.monotonic(), timeout)
         assembler = LineAssembler()
-        began = time.monotonic()
-        replied_at: float | None = None
-        stop_at: float | None = None  # set once we interrupted the ranks or one died
-        release_at: float | None = None  # set once some ranks finished badly while others run
-        next_death_check = began + DEATH_CHECK_SECONDS
-        outcome = "done"
         while True:
             try:
-                now = time.monotonic()
-                if release is not None and not self.released:
-                    if release_at is None and self._some_failed():
-                        release_at = now + RELEASE_AFTER_SECONDS
-                    if release_at is not None and now > release_at:
-                        finished, running = self._finished(), self.unfinished()
-                        if finished and running:
-                            self.released = True
-                            release(finished)
-                            stop_at = max(stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
-                if replied_at is not None and (
-                    self._idle >= set(self._ranks) or now - replied_at > OUTPUT_DRAIN_SECONDS
-                ):
+                if self._step(clock, supervisor):
                     break
-                if stop_at is not None and now > stop_at:
-                    break
-                if self.dead and self._survivors_done():
-                    break
-                if timeout is not None and stop_at is None and now - began > timeout:
-                    outcome = "timeout"
-                    if report_stuck is not None:  # before the interrupt moves them
-                        self.stuck_report = report_stuck(self.unfinished())
-                    interrupt()
-                    stop_at = now + INTERRUPT_GRACE_SECONDS
-                    release_at = now + RELEASE_AFTER_SECONDS
-                if now > next_death_check and not self.dead:
-                    next_death_check = now + DEATH_CHECK_SECONDS
-                    self.dead = find_dead()
-                    if self.dead and stop_at is None:
-                        stop_at = now + DEATH_GRACE_SECONDS
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                replied_at = self._handle(item, sink, assembler, replied_at)
-                # drain whatever else is queued before writing, so output goes out in batches
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    replied_at = self._handle(item, sink, assembler, replied_at)
-                sink.flush()
+                self._handle_all(item, sink, assembler, clock)
             except KeyboardInterrupt:
-                if stop_at is None or outcome != "interrupted":
-                    outcome = "interrupted"
-                    interrupt()
-                    stop_at = time.monotonic() + INTERRUPT_GRACE_SECONDS
-                    release_at = time.monotonic() + RELEASE_AFTER_SECONDS
-                    continue
-                break  # a second interrupt: stop waiting now
+                if clock.ending is Ending.INTERRUPTED and clock.stop_at is not None:
+                    break  # a second interrupt: stop waiting now
+                clock.ending = Ending.INTERRUPTED
+                self._stop_ranks(clock, supervisor, time.monotonic())
         for rank, stream, line in assembler.flush_all():
             sink.write(rank, stream, [line])
         sink.flush()
-        if outcome == "done" and not self._async_result.ready() and not self.dead:
-            outcome = "interrupted"
-        return outcome
+        if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead:
+            clock.ending = Ending.INTERRUPTED
+        return clock.ending
 
-    def _handle(
-        self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler, replied_at: float | None
-    ) -> float | None:
+    def _step(self, clock: _WaitClock, supervisor: CellSupervisor) -> bool:
+        """One turn of the wait's checks; True when the wait is over."""
+        now = time.monotonic()
+        if not self.released:
+            self._maybe_release(clock, supervisor, now)
+        if clock.replied_at is not None and (
+            self._idle >= set(self._ranks) or now - clock.replied_at > OUTPUT_DRAIN_SECONDS
+        ):
+            return True
+        if clock.stop_at is not None and now > clock.stop_at:
+            return True
+        if self.dead and self._survivors_done():
+            return True
+        if clock.timeout is not None and clock.stop_at is None and now - clock.began > clock.timeout:
+            clock.ending = Ending.TIMEOUT
+            self.stuck_report = supervisor.where_stuck(self.unfinished())  # before the interrupt moves them
+            self._stop_ranks(clock, supervisor, now)
+        if now > clock.next_death_check and not self.dead:
+            clock.next_death_check = now + DEATH_CHECK_SECONDS
+            self.dead = supervisor.find_dead(self._ranks)
+            if self.dead and clock.stop_at is None:
+                clock.stop_at = now + DEATH_GRACE_SECONDS
+        return False
+
+    def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
+        if clock.release_at is None and self._some_failed():
+            clock.release_at = now + RELEASE_AFTER_SECONDS
+        if clock.release_at is not None and now > clock.release_at:
+            finished, running = self._finished(), self.unfinished()
+            if finished and running:
+                self.released = True
+                supervisor.release(finished)
+                clock.stop_at = max(clock.stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
+
+    def _stop_ranks(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
+        supervisor.interrupt(self._ranks)
+        clock.stop_at = now + INTERRUPT_GRACE_SECONDS
+        clock.release_at = now + RELEASE_AFTER_SECONDS
+
+    def _handle_all(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler, clock: _WaitClock) -> None:
+        # drain whatever else is queued before writing, so output goes out in batches
+        while True:
+            replied = self._handle(item, sink, assembler)
+            if replied:
+                clock.replied_at = time.monotonic()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+        sink.flush()
+
+    def _handle(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler) -> bool:
+        """Deal with one queued message; True when it says every rank replied."""
         kind = item[0]
         if kind == "stream":
             _, rank, stream, text = item
@@ -236,31 +267,29 @@ class CellRelay:
             sink.data(rank, payload)
         elif kind == "idle":
             self._idle.add(item[1])
-        elif kind == "replied":
-            return time.monotonic()
-        return replied_at
+        return kind == "replied"
 
     def _survivors_done(self) -> bool:
-        children = zip(self._ranks, self._async_result._children)
+        children = zip(self._ranks, message_futures(self._async_result))
         return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
 
     def _finished(self) -> tuple[int, ...]:
-        children = zip(self._ranks, self._async_result._children)
+        children = zip(self._ranks, message_futures(self._async_result))
         return tuple(rank for rank, future in children if future.done() and rank not in self.dead)
 
     def _some_failed(self) -> bool:
-        for future in self._async_result._children:
+        for future in message_futures(self._async_result):
             if future.done() and future.output.metadata.get("status") == "error":
                 return True
         return False
 
     def unfinished(self) -> tuple[int, ...]:
         ar = self._async_result
-        return tuple(rank for rank, future in zip(self._ranks, ar._children) if not future.done())
+        return tuple(rank for rank, future in zip(self._ranks, message_futures(ar)) if not future.done())
 
     def values(self) -> dict[int, dict[str, Any]]:
         values = {}
-        for rank, future in zip(self._ranks, self._async_result._children):
+        for rank, future in zip(self._ranks, message_futures(self._async_result)):
             executed = future.output.metadata.get("execute_result")
             if executed:
                 values[rank] = executed.get("data", {})
@@ -268,7 +297,7 @@ class CellRelay:
 
     def failures(self) -> list[RankFailure]:
         found = []
-        for rank, future in zip(self._ranks, self._async_result._children):
+        for rank, future in zip(self._ranks, message_futures(self._async_result)):
             if not future.done():
                 continue
             metadata = future.output.metadata
@@ -282,7 +311,7 @@ class CellRelay:
                 content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
                 if not content or content.get("status") != "error":
                     continue
-                error = self._client._unwrap_exception(content)
+                error = unwrap_exception(self._client, content)
             completed = metadata.get("completed")
             found.append(
                 RankFailure(

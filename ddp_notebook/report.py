@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .config import is_loopback
+from .output import tag_value
+from .results import CellResult, RankInfo, RankStatus
+from .state import WorldState
 
 if TYPE_CHECKING:
-    from .cluster import CellResult, DDPCluster, RankInfo, RankStatus
+    from .cluster import DDPCluster  # the reports read a world; the world never imports them
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -86,25 +89,17 @@ def format_status(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
 
 
 def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
-    """healthy, healing, or broken with what to do about it."""
+    """The world's state, with what to do about it where something is wrong."""
     gone = [s.rank for s in rows if s.state == "gone"]
-    if world.broken or gone:
+    if world.state is WorldState.BROKEN or gone:
         dead = sorted(set(world.broken) | set(gone))
         return f"broken (rank {', '.join(map(str, dead))} gone): %ddp_restart"
-    if world.needs_heal:
-        return "broken process group: the next cell sets it up again"
-    return world.state
+    if world.state is WorldState.NEEDS_HEALING:
+        return "needs healing (a cell broke the process group): the next cell sets it up again"
+    return str(world.state)
 
 
 def format_values(result: CellResult) -> str:
     """Each rank's last-expression value, like a kernel's Out[], tagged by rank."""
-    parts = []
-    for rank in result.ranks:
-        text = result.value_text(rank)
-        if text is None:
-            continue
-        prefix = f"[rank {rank}] Out: "
-        lines = text.split("\n")
-        indent = " " * len(prefix)
-        parts.append(prefix + lines[0] + "".join("\n" + indent + line for line in lines[1:]))
-    return "\n".join(parts)
+    values = ((rank, result.value_text(rank)) for rank in result.ranks)
+    return "\n".join(tag_value(rank, text) for rank, text in values if text is not None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddp_notebook import devices, network
-from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks, resolve
+from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks
 from ddp_notebook.errors import DDPUsageError
 
 
@@ -34,63 +34,63 @@ def test_rank_count_parses() -> None:
 
 
 def test_cpu_defaults(cpu_only: None) -> None:
-    cfg = resolve()
+    cfg = WorldConfig.build()
     assert (cfg.n_ranks, cfg.backend, cfg.gpus) == (4, "gloo", ())
     assert cfg.threads_per_rank == 2  # 8 cores shared by 4 ranks: no oversubscription
 
 
 def test_cpu_threads_follow_user_setting(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert resolve(2).threads_per_rank == 3
+    assert WorldConfig.build(2).threads_per_rank == 3
 
 
 def test_gpu_defaults_one_rank_per_gpu(four_gpus: None) -> None:
-    cfg = resolve()
+    cfg = WorldConfig.build()
     assert (cfg.n_ranks, cfg.backend, cfg.gpus, cfg.threads_per_rank) == (4, "nccl", ("0", "1", "2", "3"), 1)
-    assert resolve(2).gpus == ("0", "1")
+    assert WorldConfig.build(2).gpus == ("0", "1")
 
 
 def test_more_ranks_than_gpus_is_refused(four_gpus: None) -> None:
     with pytest.raises(DDPUsageError, match="only 4 GPU"):
-        resolve(6)
+        WorldConfig.build(6)
     with pytest.raises(DDPUsageError, match="only 4 GPU"):
-        resolve(6, backend="nccl")
+        WorldConfig.build(6, backend="nccl")
 
 
 def test_gloo_on_a_gpu_machine_runs_cpu_ranks(four_gpus: None) -> None:
-    cfg = resolve(6, backend="gloo")
+    cfg = WorldConfig.build(6, backend="gloo")
     assert (cfg.backend, cfg.gpus) == ("gloo", ())
 
 
 def test_explicit_gpus(four_gpus: None) -> None:
-    cfg = resolve(gpus="2,3")
+    cfg = WorldConfig.build(gpus="2,3")
     assert (cfg.n_ranks, cfg.gpus, cfg.backend) == (2, ("2", "3"), "nccl")
     with pytest.raises(DDPUsageError, match="not visible"):
-        resolve(gpus="7")
+        WorldConfig.build(gpus="7")
     with pytest.raises(DDPUsageError, match="3 ranks need 3 GPUs"):
-        resolve(3, gpus="0,1")
+        WorldConfig.build(3, gpus="0,1")
     with pytest.raises(DDPUsageError, match="its own GPU"):
-        resolve(gpus="1,1")
+        WorldConfig.build(gpus="1,1")
 
 
 def test_nccl_without_gpus(cpu_only: None) -> None:
     with pytest.raises(DDPUsageError, match="needs GPUs"):
-        resolve(2, backend="nccl")
+        WorldConfig.build(2, backend="nccl")
 
 
 def test_unknown_backend(cpu_only: None) -> None:
     with pytest.raises(DDPUsageError, match="backend must be one of"):
-        resolve(2, backend="mpi")
+        WorldConfig.build(2, backend="mpi")
 
 
 @pytest.mark.parametrize("timeout", [0, -5, float("nan"), "10"])
 def test_bad_timeouts(cpu_only: None, timeout: object) -> None:
     with pytest.raises(DDPUsageError, match="seconds"):
-        resolve(2, timeout=timeout)  # type: ignore[arg-type]
+        WorldConfig.build(2, timeout=timeout)  # type: ignore[arg-type]
 
 
 def test_config_is_frozen(cpu_only: None) -> None:
-    cfg = resolve(2)
+    cfg = WorldConfig.build(2)
     with pytest.raises(AttributeError):
         cfg.n_ranks = 3  # type: ignore[misc]
     assert isinstance(cfg, WorldConfig)
@@ -123,14 +123,14 @@ def test_visible_gpus_reads_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch
 
 
 def test_listening_beyond_loopback_turns_curve_on(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert (resolve(2).master_addr, resolve(2).curve) == ("127.0.0.1", False)
-    assert resolve(2, curve=True).curve is True
+    assert (WorldConfig.build(2).master_addr, WorldConfig.build(2).curve) == ("127.0.0.1", False)
+    assert WorldConfig.build(2, curve=True).curve is True
     monkeypatch.setattr(network, "interface_of", lambda address: "eth7" if address == "10.1.2.3" else None)
-    cfg = resolve(2, ip="10.1.2.3")
+    cfg = WorldConfig.build(2, ip="10.1.2.3")
     assert (cfg.master_addr, cfg.curve) == ("10.1.2.3", True)
     with pytest.raises(DDPUsageError, match="not an IPv4 address of this machine"):
-        resolve(2, ip="10.9.9.9")
+        WorldConfig.build(2, ip="10.9.9.9")
     with pytest.raises(DDPUsageError, match="needs an IP address"):
-        resolve(2, ip="my-laptop")
+        WorldConfig.build(2, ip="my-laptop")
     with pytest.raises(DDPUsageError, match="needs CurveZMQ"):
         WorldConfig(n_ranks=2, backend="gloo", master_addr="10.1.2.3", curve=False)

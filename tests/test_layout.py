@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from ddp_notebook import config, network
+from ddp_notebook import config, launchers, network
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.layout import EngineIdentity, gpus_everywhere, place_ranks, spans_hosts
 from ddp_notebook.report import describe_layout
@@ -69,57 +69,59 @@ def test_gpus_are_pinned_by_local_rank_and_checked() -> None:
 
 
 def test_hosts_option_parses_counts() -> None:
-    assert config.parse_hosts("node1,node2:2, node1:1") == {"node1": 2, "node2": 2}
+    assert launchers.parse_hosts("node1,node2:2, node1:1") == {"node1": 2, "node2": 2}
     for bad in ("node1:x", "node1:0", ",", ":2"):
         with pytest.raises(DDPUsageError, match=r"host|--hosts"):
-            config.parse_hosts(bad)
+            launchers.parse_hosts(bad)
 
 
 def test_settings_read_python_literals_or_strings() -> None:
-    assert config.parse_setting("SlurmEngineSetLauncher.qos=high") == ("SlurmEngineSetLauncher", "qos", "high")
-    assert config.parse_setting("--MPILauncher.mpi_args=['-x', 'A']") == ("MPILauncher", "mpi_args", ["-x", "A"])
-    assert config.parse_setting("Cluster.engine_timeout=30") == ("Cluster", "engine_timeout", 30)
+    assert launchers.parse_setting("SlurmEngineSetLauncher.qos=high") == ("SlurmEngineSetLauncher", "qos", "high")
+    assert launchers.parse_setting("--MPILauncher.mpi_args=['-x', 'A']") == ("MPILauncher", "mpi_args", ["-x", "A"])
+    assert launchers.parse_setting("Cluster.engine_timeout=30") == ("Cluster", "engine_timeout", 30)
     with pytest.raises(DDPUsageError, match=r"write Class\.trait=value"):
-        config.parse_setting("qos=high")
+        launchers.parse_setting("qos=high")
 
 
 def test_launcher_options_map_to_ipyparallel_traits() -> None:
-    slurm = config.launcher_settings("slurm", partition="gpu", account="ml", time_limit="1:00:00")
+    slurm = launchers.settings_for("slurm", partition="gpu", account="ml", time_limit="1:00:00")
     assert slurm == {"SlurmEngineSetLauncher": {"queue": "gpu", "account": "ml", "timelimit": "1:00:00"}}
-    ssh = config.launcher_settings("ssh", hosts="a:2,b", ssh_args="-F cfg", settings=["SSHLauncher.user=me"])
+    ssh = launchers.settings_for("ssh", hosts="a:2,b", ssh_args="-F cfg", settings=["SSHLauncher.user=me"])
     assert ssh == {
         "SSHEngineSetLauncher": {"engines": {"a": 2, "b": 1}},
         "SSHLauncher": {"ssh_args": ["-F", "cfg"], "scp_args": ["-F", "cfg"], "user": "me"},
     }
-    assert config.launcher_settings("mpi", mpi_args="--oversubscribe -x FOO") == {
+    assert launchers.settings_for("mpi", mpi_args="--oversubscribe -x FOO") == {
         "MPIEngineSetLauncher": {"mpi_args": ["--oversubscribe", "-x", "FOO"]}
     }
     with pytest.raises(DDPUsageError, match="--hosts is for the ssh launcher; this world uses --launcher mpi"):
-        config.launcher_settings("mpi", hosts="a")
+        launchers.settings_for("mpi", hosts="a")
     with pytest.raises(DDPUsageError, match="--partition is for the slurm launcher"):
-        config.launcher_settings("local", partition="gpu")
+        launchers.settings_for("local", partition="gpu")
 
 
 def test_worlds_elsewhere_resolve_their_size_and_address() -> None:
-    ssh = config.resolve(
-        launch=config.LaunchConfig("ssh", settings=config.launcher_settings("ssh", hosts="a:2,b:2")), ip="127.0.0.1"
-    )
+    build = config.WorldConfig.build
+    ssh = build(launcher="ssh", hosts="a:2,b:2", ip="127.0.0.1")
     assert ssh.n_ranks == 4 and ssh.backend == "auto"
+    assert ssh.launch.settings == {"SSHEngineSetLauncher": {"engines": {"a": 2, "b": 2}}}
     with pytest.raises(DDPUsageError, match="3 ranks asked for but the ssh hosts list 4 engines"):
-        config.resolve(3, launch=config.LaunchConfig("ssh", settings={"SSHEngineSetLauncher": {"engines": {"a": 4}}}))
+        build(3, launcher="ssh", settings={"SSHEngineSetLauncher": {"engines": {"a": 4}}})
     with pytest.raises(DDPUsageError, match="say how many ranks to start with the mpi launcher"):
-        config.resolve(launch=config.LaunchConfig("mpi"))
+        build(launcher="mpi")
     with pytest.raises(DDPUsageError, match="--gpus chooses GPUs of this machine"):
-        config.resolve(2, gpus="0,1", launch=config.LaunchConfig("mpi"))
+        build(2, gpus="0,1", launcher="mpi")
     with pytest.raises(DDPUsageError, match="launcher must be one of local, mpi, slurm, ssh"):
         config.LaunchConfig("yarn")
+    with pytest.raises(DDPUsageError, match="launcher must be one of local, mpi, slurm, ssh"):
+        build(2, launcher="yarn")
     # mpi may run on this machine only: loopback unless asked; a batch launcher listens beyond it
-    assert config.resolve(2, launch=config.LaunchConfig("mpi")).master_addr == "127.0.0.1"
+    assert build(2, launcher="mpi").master_addr == "127.0.0.1"
     primary = network.primary_address()
     if primary is not None:
-        slurm = config.resolve(2, launch=config.LaunchConfig("slurm"))
+        slurm = build(2, launcher="slurm")
         assert slurm.master_addr == primary and slurm.curve
-    attach = config.resolve(launch=config.LaunchConfig(attach=config.AttachTarget(profile="p")))
+    attach = build(attach=config.AttachTarget(profile="p"))
     assert attach.n_ranks is None and not attach.launch.is_local
 
 
@@ -136,7 +138,7 @@ def test_routes_and_probe_on_loopback() -> None:
 
 
 def test_layout_line_names_each_hosts_ranks() -> None:
-    from ddp_notebook.cluster import RankInfo
+    from ddp_notebook.results import RankInfo
 
     ranks = [
         RankInfo(rank=r, engine_id=r, host=h, pid=r, device="cpu", device_name="cpu", gpu=None)

@@ -52,7 +52,8 @@ OWNER_SCRIPT = """
 import json, sys, time
 from ddp_notebook import DDPCluster
 world = DDPCluster(2, backend="gloo").start()
-print(json.dumps([world.all_pids, world._cluster.profile_dir, world._cluster.cluster_id]), flush=True)
+cluster = world.provisioner.cluster
+print(json.dumps([world.all_pids, cluster.profile_dir, cluster.cluster_id]), flush=True)
 time.sleep(600)
 """
 
@@ -83,8 +84,8 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
 def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
     world = DDPCluster(1, backend="gloo").start()
     try:
-        security = Path(world._cluster.profile_dir) / "security"
-        cluster_id = world._cluster.cluster_id
+        security = Path(world.provisioner.cluster.profile_dir) / "security"
+        cluster_id = world.provisioner.cluster.cluster_id
         files = [p for p in security.iterdir() if cluster_id in p.name]
         assert any(p.name.endswith("-client.json") for p in files)  # holds the message-signing key
         assert all(p.stat().st_mode & 0o077 == 0 for p in files), [oct(p.stat().st_mode) for p in files]
@@ -98,8 +99,8 @@ def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
 
 def test_curve_encryption_on_request(no_leaks: None, capsys: pytest.CaptureFixture[str]) -> None:
     with DDPCluster(2, backend="gloo", curve=True) as world:
-        security = Path(world._cluster.profile_dir) / "security"
-        client_file = security / f"ipcontroller-{world._cluster.cluster_id}-client.json"
+        security = Path(world.provisioner.cluster.profile_dir) / "security"
+        client_file = security / f"ipcontroller-{world.provisioner.cluster.cluster_id}-client.json"
         assert json.loads(client_file.read_text())["curve_serverkey"]  # clients and ranks must use it
         assert world.execute("rank + 1", stream=False).values == {0: {"text/plain": "1"}, 1: {"text/plain": "2"}}
         from ddp_notebook.report import format_start_summary

@@ -156,3 +156,34 @@ def test_unload_stops_the_world(shell: object) -> None:
     assert "ddp" not in ip.magics_manager.magics["cell"]
     assert wait_gone(pids) == []
     ip.run_line_magic("load_ext", "ddp_notebook")  # leave the shared shell as the module fixture expects
+
+
+def test_a_world_built_in_python_is_driven_by_the_magics(
+    shell: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddp_notebook import DDPCluster, WorldConfig
+
+    magics = shell.magics_manager.registry["DDPMagics"]  # type: ignore[attr-defined]
+    world = DDPCluster(WorldConfig.build(2, backend="gloo", timeout=60)).start()
+    pids = world.all_pids
+    try:
+        assert world.activate() is world and magics.world is world
+        assert world.recorder is magics.recorder  # %ddp_metrics sees what this world's ranks log
+        assert run(shell, "%%ddp\nprint('from python-built world', rank)").success  # type: ignore[attr-defined]
+        assert "[rank 1] from python-built world 1" in capsys.readouterr().out
+        assert run(shell, "%ddp_status").success  # type: ignore[attr-defined]
+        assert "world of 2 ranks (gloo): healthy" in capsys.readouterr().out
+        # a world the magics started is not silently replaced
+        assert run(shell, "%ddp_stop").success  # type: ignore[attr-defined]
+        assert not world.running and wait_gone(pids) == []
+        assert run(shell, "%ddp_start 1").success  # type: ignore[attr-defined]
+        started = magics.world
+        other = DDPCluster(1, backend="gloo")
+        with pytest.raises(Exception, match="started with %ddp_start is running: %ddp_stop it first"):
+            other.activate()
+        assert magics.world is started
+        pids += started.all_pids
+    finally:
+        world.stop()
+        run(shell, "%ddp_stop")
+    assert wait_gone(pids) == []

@@ -12,8 +12,7 @@ import warnings
 
 import pytest
 
-from ddp_notebook import DDPCluster, RankDiedError, StartError
-from ddp_notebook.cluster import InsecureNetworkWarning
+from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError, StartError
 from ddp_notebook.errors import CellTimeoutError
 from tests import multihost
 from tests.conftest import wait_gone

@@ -1,0 +1,50 @@
+"""Every use of ipyparallel's private internals, in one place.
+
+ipyparallel offers no public way to do these few things, so they reach into its objects.
+Each function is exercised by `tests/test_ipp_adapter.py`, and `pyproject.toml` bounds
+ipyparallel to the versions those tests cover: a new ipyparallel that moves one of these
+fails there first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def message_futures(async_result: Any) -> Sequence[Any]:
+    """The per-engine message futures of an AsyncResult, in the order of its targets.
+
+    Each one carries the engine's output metadata and the IOPub callbacks we register on.
+    """
+    return async_result._children  # type: ignore[no-any-return]
+
+
+def on_io_thread(client: Any, callback: Callable[[], None]) -> None:
+    """Run `callback` on the client's IO thread, after what was handed to it before.
+
+    Registering a message callback there means each message is seen exactly once.
+    """
+    client._io_loop.add_callback(callback)
+
+
+def send_queue_request(client: Any) -> Any:
+    """Ask the controller for its queue status without waiting; returns a future of the reply.
+
+    `Client.queue_status` sends the same request but waits for the answer without a limit.
+    """
+    return client._send(client._query_stream, "queue_request", content={"targets": None, "verbose": False})
+
+
+def unwrap_exception(client: Any, content: dict[str, Any]) -> Any:
+    """An engine's error reply as the RemoteError ipyparallel would raise for it."""
+    return client._unwrap_exception(content)
+
+
+def recorded_exit(engine_set: Any) -> int | None:
+    """The exit code an engine-set launcher recorded for a stopped engine, if it did."""
+    stop_data = getattr(engine_set, "stop_data", None) or {}
+    for engine in (stop_data.get("engines") or {}).values():
+        if isinstance(engine, dict) and engine.get("exit_code") is not None:
+            return int(engine["exit_code"])
+    return None

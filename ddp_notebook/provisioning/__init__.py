@@ -1,0 +1,30 @@
+"""Getting the processes of a world: one provisioner per way of getting them.
+
+- `LocalProvisioner`: one process per rank on this machine, each with its own environment;
+- `LauncherProvisioner`: all ranks through one of ipyparallel's engine launchers (MPI, Slurm,
+  SSH, ...), with the controller in this process;
+- `AttachedProvisioner`: the engines of a cluster someone else started (nothing to start or end).
+
+Each one owns its processes: it starts them and hands back a connected ipyparallel client,
+knows their PIDs and how each one ended, signals them, and ends them. Everything after that
+(which engine is which rank, the process group, running cells) is the same for all three.
+"""
+
+from __future__ import annotations
+
+from ..config import WorldConfig
+from .attached import AttachedProvisioner
+from .base import Provisioner
+from .launcher import LauncherProvisioner
+from .local import LocalProvisioner
+
+__all__ = ["AttachedProvisioner", "LauncherProvisioner", "LocalProvisioner", "Provisioner", "provisioner_for"]
+
+
+def provisioner_for(config: WorldConfig, private_dir: str) -> Provisioner:
+    """The provisioner a world described by `config` gets its processes from."""
+    if config.launch.attach is not None:
+        return AttachedProvisioner(config, private_dir)
+    if config.launch.is_local:
+        return LocalProvisioner(config, private_dir)
+    return LauncherProvisioner(config, private_dir)

@@ -1,0 +1,135 @@
+"""The calls the notebook makes on the ranks, one typed function each.
+
+ipyparallel ships a function by reference when its module can be imported on the rank, so
+these live in a module that does not import torch: the notebook kernel can name them
+without importing torch itself. On the rank each one imports what it needs and calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a rank process says about itself before it gets a rank (no torch needed)."""
+
+    host: str
+    pid: int
+    slot: int | None  # the rank a local launch started it for
+    launcher_rank: int | None  # its MPI / Slurm task rank, where a launcher gave one
+    gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries it sees
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to join the world's process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    master_addr: str
+    master_port: int
+    backend: str
+    timeout: float  # seconds a collective may wait
+    threads: int
+    stack_dir: str | None  # where the rank writes its stack dumps (ranks on this host)
+    gpu: str | None  # the CUDA_VISIBLE_DEVICES entry of its GPU, None on CPU
+    socket_ifname: str | None  # interface of the route to rank 0, for gloo / NCCL
+
+
+@dataclass(frozen=True)
+class JoinReport:
+    """What a rank says once it joined the process group."""
+
+    device: str
+    device_name: str
+    backend: str
+    main_thread: int | None
+
+
+def describe() -> Identity:
+    import os
+    import socket
+
+    from ddp_notebook.devices import visible_gpus
+    from ddp_notebook.entrypoints import SLOT_ENV
+    from ddp_notebook.layout import LAUNCHER_RANK_VARIABLES
+
+    slot = os.environ.get(SLOT_ENV, "")
+    launcher_rank = next(
+        (int(os.environ[name]) for name in LAUNCHER_RANK_VARIABLES if os.environ.get(name, "").isdigit()), None
+    )
+    return Identity(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        slot=int(slot) if slot.isdigit() else None,
+        launcher_rank=launcher_rank,
+        gpus=tuple(visible_gpus()),
+    )
+
+
+def open_rendezvous(host: str) -> int:
+    from ddp_notebook import rank
+
+    return rank.open_rendezvous(host)
+
+
+def init_world(spec: RankSpec) -> JoinReport:
+    from ddp_notebook import rank
+
+    report = rank.init_world(asdict(spec))
+    return JoinReport(
+        device=report["device"],
+        device_name=report["device_name"],
+        backend=report["backend"],
+        main_thread=report.get("main_thread"),
+    )
+
+
+def release_group() -> None:
+    from ddp_notebook import rank
+
+    rank.release_group()
+
+
+def shutdown_world() -> None:
+    from ddp_notebook import rank
+
+    rank.shutdown_world()
+
+
+def source_address(destination: str) -> str | None:
+    from ddp_notebook import network
+
+    return network.source_address(destination)
+
+
+def open_probe(host: str) -> int:
+    from ddp_notebook import network
+
+    return network.open_probe(host)
+
+
+def close_probe() -> None:
+    from ddp_notebook import network
+
+    network.close_probe()
+
+
+def reach(host: str, port: int) -> dict[str, str | None]:
+    from ddp_notebook import network
+
+    return network.reach(host, port)
+
+
+def pull_names(names: list[str]) -> dict[str, Any]:
+    """Values of `names` in the rank's user namespace; a missing name is reported, not raised."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    found = {name: namespace[name] for name in names if name in namespace}
+    return {"found": found, "missing": [name for name in names if name not in namespace]}

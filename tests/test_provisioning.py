@@ -1,0 +1,171 @@
+"""Provisioners and the launcher registry: one interface, three ways of getting processes.
+
+Unit tests use no processes (fake clients stand in for ipyparallel's); the last test adds a
+real rank process to a running world through the provisioner.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ddp_notebook import DDPCluster, WorldConfig, devices, launchers, rank_calls
+from ddp_notebook.config import AttachTarget
+from ddp_notebook.entrypoints import OWNER_PID_ENV, SLOT_ENV
+from ddp_notebook.errors import DDPUsageError, StartError
+from ddp_notebook.provisioning import (
+    AttachedProvisioner,
+    LauncherProvisioner,
+    LocalProvisioner,
+    Provisioner,
+    provisioner_for,
+)
+from ddp_notebook.results import RankInfo
+from tests.conftest import wait_gone
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ())
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+def _info(rank: int, pid: int, engine_id: int, host: str = "") -> RankInfo:
+    import socket
+
+    return RankInfo(rank, engine_id, host or socket.gethostname(), pid, "cpu", "cpu", None)
+
+
+def test_each_way_of_getting_processes_has_its_provisioner(cpu_machine: None, tmp_path: object) -> None:
+    local = provisioner_for(WorldConfig.build(2, backend="gloo"), "/private")
+    mpi = provisioner_for(WorldConfig.build(2, launcher="mpi"), "/private")
+    attached = provisioner_for(WorldConfig.build(attach=AttachTarget(profile="p")), "/private")
+    assert (type(local), type(mpi), type(attached)) == (LocalProvisioner, LauncherProvisioner, AttachedProvisioner)
+    assert all(isinstance(p, Provisioner) for p in (local, mpi, attached))
+    assert local.starts_ranks_here and not mpi.starts_ranks_here and not attached.starts_ranks_here
+    assert attached.clears_namespaces_on_restart and not local.clears_namespaces_on_restart
+    # nothing started yet: nothing to signal, nothing to stop, no controller of ours
+    for provisioner in (local, mpi, attached):
+        assert provisioner.pids == [] and provisioner.controller_pid is None
+        provisioner.stop()  # harmless before start
+
+
+def test_local_ranks_get_their_environment_before_they_start(
+    cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = LocalProvisioner(WorldConfig.build(2, backend="gloo", env={"MY_FLAG": "1"}), "/private")
+    env = local.rank_environment(1)
+    assert env[SLOT_ENV] == "1" and env[OWNER_PID_ENV] == str(os.getpid()) and env["MY_FLAG"] == "1"
+    assert env["OMP_NUM_THREADS"] == "2"  # 4 cores, 2 ranks
+    assert "CUDA_VISIBLE_DEVICES" not in env  # no GPUs on this machine: nothing to hide
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"]  # pinned to the loopback interface
+    # on a GPU machine: every rank sees the world's GPUs in the same order; CPU ranks see none
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ("0", "1", "2", "3"))
+    gpu_world = LocalProvisioner(WorldConfig.build(2, gpus="2,3"), "/private")
+    assert [gpu_world.rank_environment(slot)["CUDA_VISIBLE_DEVICES"] for slot in (0, 1)] == ["2,3", "2,3"]
+    cpu_world = LocalProvisioner(WorldConfig.build(2, backend="gloo"), "/private")
+    assert cpu_world.rank_environment(0)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_too_few_ranks_is_explained_per_provisioner(cpu_machine: None) -> None:
+    local = LocalProvisioner(WorldConfig.build(2, backend="gloo", start_timeout=5), "/p")
+    assert local.too_few_message(1, 2) == (
+        "only 1 of 2 ranks registered within 5 s; raise start_timeout on a slow machine"
+    )
+    loopback_mpi = LauncherProvisioner(WorldConfig.build(2, launcher="mpi"), "/p")
+    assert "listens on loopback only" in loopback_mpi.too_few_message(0, 2)
+    attached = AttachedProvisioner(WorldConfig.build(3, attach=AttachTarget(url_file="/x.json")), "/p")
+    assert "at /x.json; start more engines there" in attached.too_few_message(1, 3)
+
+
+def test_attaching_to_nothing_is_a_usage_error(cpu_machine: None, tmp_path: object) -> None:
+    missing = AttachedProvisioner(WorldConfig.build(attach=AttachTarget(url_file="/nonexistent.json")), "/p")
+    with pytest.raises(DDPUsageError, match=r"no cluster connection file at /nonexistent\.json"):
+        missing.start()
+
+
+def test_attached_worlds_take_the_engines_there(cpu_machine: None) -> None:
+    every = AttachedProvisioner(WorldConfig.build(attach=AttachTarget(profile="p")), "/p")
+    every.client = SimpleNamespace(ids=[4, 2, 7])
+    assert every.expected_ranks() == 3 and every.engine_ids(3) == [2, 4, 7]
+    two = AttachedProvisioner(WorldConfig.build(2, attach=AttachTarget(profile="p")), "/p")
+    two.client = SimpleNamespace(ids=[4, 2, 7])
+    assert two.expected_ranks() == 2 and two.engine_ids(2) == [2, 4]
+    every.client = SimpleNamespace(ids=[])
+    with pytest.raises(StartError, match="has no engines yet"):
+        every.expected_ranks()
+
+
+def test_ranks_elsewhere_are_dead_when_their_pid_or_heartbeat_is_gone(cpu_machine: None) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        provisioner = LauncherProvisioner(WorldConfig.build(3, launcher="mpi"), "/p")
+        provisioner.client = SimpleNamespace(ids=[10, 11])  # engine 12 was dropped by the controller
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait(10)
+        ranks = [_info(0, sleeper.pid, 10), _info(1, gone.pid, 11), _info(2, 1, 12, host="elsewhere")]
+        dead = provisioner.dead_ranks(ranks)
+        assert set(dead) == {1, 2} and dead[1] == "exited" and "on elsewhere was lost" in dead[2]
+        signalled: list[tuple[int, list[int]]] = []
+        provisioner.client = SimpleNamespace(
+            ids=[10, 11, 12], send_signal=lambda signum, targets, block: signalled.append((signum, targets))
+        )
+        provisioner.signal([ranks[0], ranks[2]], signal.SIGTERM)  # here by PID, elsewhere through the nanny
+        assert sleeper.wait(10) == -signal.SIGTERM
+        assert signalled == [(signal.SIGTERM, [12])]
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+
+
+def test_only_local_worlds_add_ranks(cpu_machine: None) -> None:
+    with pytest.raises(DDPUsageError, match="--launcher mpi cannot add ranks"):
+        LauncherProvisioner(WorldConfig.build(2, launcher="mpi"), "/p").add([2])
+
+
+def test_launchers_come_from_ipyparallel_entry_points() -> None:
+    names = launchers.names()
+    assert names[:4] == ("local", "mpi", "slurm", "ssh")
+    assert {"pbs", "sge", "lsf", "htcondor"} <= set(names)
+    assert launchers.check("SLURM") == "slurm"
+    with pytest.raises(DDPUsageError, match="launcher must be one of local, mpi, slurm, ssh"):
+        launchers.check("yarn")
+    assert launchers.engine_class("slurm").__name__ == "SlurmEngineSetLauncher"
+    assert [launchers.starts_ranks_elsewhere(n) for n in ("local", "mpi", "ssh", "slurm", "pbs")] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    context = launchers.LaunchContext(python="/opt/py", private_dir="/private")
+    assert launchers.world_defaults("slurm", context) == {
+        "SlurmEngineSetLauncher": {"batch_file_name": "/private/slurm_engines.sh"}
+    }
+    assert launchers.world_defaults("ssh", context)["SSHLauncher"] == {"remote_python": "/opt/py"}
+    assert launchers.world_defaults("mpi", context) == {}
+
+
+@pytest.mark.integration
+def test_a_local_world_adds_a_rank_process_through_its_provisioner(no_leaks: None) -> None:
+    with DDPCluster(2, backend="gloo") as world:
+        provisioner = world.provisioner
+        assert isinstance(provisioner, LocalProvisioner)
+        provisioner.add([2])
+        client = provisioner.client
+        deadline = time.monotonic() + 60
+        while len(client.ids) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        new = sorted(set(client.ids) - {info.engine_id for info in world.ranks})
+        assert len(new) == 1
+        identity = client[new[0]].apply_sync(rank_calls.describe)
+        assert identity.slot == 2 and identity.pid in world.pids
+        pids = world.all_pids
+    assert wait_gone(pids) == []
