@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import devices, launchers, network
+from . import devices, launchers, layout, network
 from .errors import DDPUsageError
 
 Backend = Literal["gloo", "nccl"]
@@ -222,6 +222,7 @@ def _ranks_here(n_ranks: int | None, backend: str, gpus: str | Iterable[int | st
         unknown = [g for g in chosen_gpus if available and g not in available]
         if unknown:
             raise DDPUsageError(f"GPU(s) {','.join(unknown)} not visible; visible: {','.join(available) or 'none'}")
+    layout.check_world_gpus(chosen_gpus)
     resolved = ("nccl" if chosen_gpus else "gloo") if backend == "auto" else backend
     if resolved == "nccl" and not chosen_gpus:
         raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo (or auto)")

@@ -134,3 +134,10 @@ def test_listening_beyond_loopback_turns_curve_on(cpu_only: None, monkeypatch: p
         WorldConfig.build(2, ip="my-laptop")
     with pytest.raises(DDPUsageError, match="needs CurveZMQ"):
         WorldConfig(n_ranks=2, backend="gloo", master_addr="10.1.2.3", curve=False)
+
+
+def test_several_mig_instances_are_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    migs = ("MIG-1b2c3d4e-0000-0000-0000-000000000001", "MIG-1b2c3d4e-0000-0000-0000-000000000002")
+    monkeypatch.setattr(devices, "visible_gpus", lambda: migs)
+    with pytest.raises(DDPUsageError, match="cannot be MIG slices"):
+        WorldConfig.build(2)

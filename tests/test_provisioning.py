@@ -70,6 +70,8 @@ def test_local_ranks_get_their_environment_before_they_start(
     monkeypatch.setattr(devices, "visible_gpus", lambda: ("0", "1", "2", "3"))
     gpu_world = LocalProvisioner(WorldConfig.build(2, gpus="2,3"), "/private")
     assert [gpu_world.rank_environment(slot)["CUDA_VISIBLE_DEVICES"] for slot in (0, 1)] == ["2,3", "2,3"]
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert gpu_world.rank_environment(0)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # --gpus counts as nvidia-smi does
     cpu_world = LocalProvisioner(WorldConfig.build(2, backend="gloo"), "/private")
     assert cpu_world.rank_environment(0)["CUDA_VISIBLE_DEVICES"] == ""
 

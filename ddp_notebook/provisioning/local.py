@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -65,6 +66,10 @@ class LocalProvisioner(ControlledProvisioner):
         visible = layout.gpu_visibility(cfg.gpus, bool(devices.visible_gpus()))
         if visible is not None:
             environment["CUDA_VISIBLE_DEVICES"] = visible
+            if cfg.gpus and "CUDA_DEVICE_ORDER" not in os.environ:
+                # --gpus numbers GPUs as nvidia-smi does (PCI order); CUDA's default order puts the
+                # fastest first, which differs on machines with mixed GPU models
+                environment.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         # gloo and NCCL pick their interface from the hostname unless told: pin them to the
         # interface of the address the world listens on
         interface = network.interface_of(cfg.master_addr)
