@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Make the environment compare_peers.py runs in: benchmarks/.peers-venv (git-ignored).
+# Make the environment `run.py peers` runs in: benchmarks/.peers-venv (git-ignored).
 #
 # The peers (nbdistributed 0.1.0, accelerate) go into this venv only, never into the
 # project's dependencies. The venv sees the base interpreter's packages
 # (--system-site-packages), so torch, ipyparallel and jupyter_client are reused, not
 # downloaded again; ddp_notebook is installed editable from this checkout.
 #
-#     bash benchmarks/peers_env.sh && benchmarks/.peers-venv/bin/python benchmarks/compare_peers.py
+#     bash benchmarks/peers_env.sh && benchmarks/.peers-venv/bin/python benchmarks/run.py peers
 #
 # Set PYTHON=... to choose the base interpreter (default: python3).
 set -euo pipefail
@@ -39,4 +39,4 @@ for name in ("torch", "ipyparallel", "ddp_notebook", "nbdistributed", "accelerat
     print(f"{name:15} {metadata.version(name)}")
 EOF
 echo
-echo "ready; run:  $venv/bin/python $here/compare_peers.py"
+echo "ready; run:  $venv/bin/python $here/run.py peers"

@@ -1,9 +1,13 @@
-"""The DDP training workload timed by bench_training.py, identical under both launchers.
+"""What the benchmarks run on the ranks, and the one torchrun driver.
 
-`train()` uses the default process group that is already up: inside a ddp_notebook rank
-(set up by `DDPCluster.start()`) or under torchrun (set up by the `__main__` block here).
+`train()` uses the default process group that is already up: inside a ddp_notebook rank, a
+hand-made one in ipyparallel, nbdistributed's, Accelerate's, or torchrun's (set up by the
+`__main__` block here). On its own:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/train_workload.py --steps 300
+
+The benchmarks start it with `--serve DIR` (stay up, train once per request file) or
+`--exec FILE` (run one cell's code on every rank, as a script would, then exit).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import itertools
 import json
 import os
 import time
+import timeit
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +27,46 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-IN_FEATURES = 64
-HIDDEN = 512
-CLASSES = 10
+IN_FEATURES, HIDDEN, CLASSES = 64, 512, 10
 BATCH_PER_RANK = 64
 DISTINCT_BATCHES = 16  # cycled through; made up front so data generation is not timed
 # bounds every collective under torchrun (torch's default of 30 minutes would hide a hang)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-CONTROL_POLL_SECONDS = 0.05  # latency here is never timed; keep the idle cost low
-CONTROL_WAIT_SECONDS = 600.0  # a waiting job gives up if the benchmark went away
+POLL_SECONDS = 0.05  # a waiting job polls a file: it must not use CPU while the other side is timed
+WAIT_SECONDS = 900.0  # a waiting job gives up if the benchmark went away
 
 
 def _device() -> torch.device:
     if dist.get_backend() != "nccl":
         return torch.device("cpu")
-    # ddp_notebook shows each rank only its own GPU (cuda:0); torchrun shows all of them
+    # cuda:LOCAL_RANK, as torchrun and ddp_notebook number GPUs (a rank shown one GPU only: cuda:0)
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def _setup(seed: int) -> tuple[Any, torch.device]:
+    """The DDP model, its optimizer and a step function over this rank's synthetic batches."""
+    rank, device = dist.get_rank(), _device()
+    torch.manual_seed(seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
+    model = nn.Sequential(
+        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+    ).to(device)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    inputs = torch.randn(DISTINCT_BATCHES, BATCH_PER_RANK, IN_FEATURES, generator=generator).to(device)
+    targets = torch.randint(0, CLASSES, (DISTINCT_BATCHES, BATCH_PER_RANK), generator=generator).to(device)
+
+    def step(index: int) -> torch.Tensor:
+        batch = index % DISTINCT_BATCHES
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(inputs[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step, device
 
 
 def _sync(device: torch.device) -> None:
@@ -52,34 +79,7 @@ def train(steps: int, warmup: int, *, seed: int = 0) -> dict[str, Any]:
     """Run `warmup` then `steps` timed SGD steps of a small DDP MLP; steps/s as rank 0 saw it."""
     if not dist.is_initialized():
         raise RuntimeError("train() needs an initialised default process group")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = _device()
-
-    torch.manual_seed(seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
-    model = nn.Sequential(
-        nn.Linear(IN_FEATURES, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
-        nn.Linear(HIDDEN, CLASSES),
-    ).to(device)
-    ddp = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    loss_fn = nn.CrossEntropyLoss()
-
-    # each rank its own shard of synthetic data, the same on every run
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    inputs = torch.randn(DISTINCT_BATCHES, BATCH_PER_RANK, IN_FEATURES, generator=generator).to(device)
-    targets = torch.randint(0, CLASSES, (DISTINCT_BATCHES, BATCH_PER_RANK), generator=generator).to(device)
-
-    def step(index: int) -> torch.Tensor:
-        batch = index % DISTINCT_BATCHES
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(inputs[batch]), targets[batch])
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    step, device = _setup(seed)
     for index in range(warmup):
         step(index)
     # everyone starts and stops the clock together, so rank 0's time covers all ranks' work
@@ -90,23 +90,76 @@ def train(steps: int, warmup: int, *, seed: int = 0) -> dict[str, Any]:
         loss = step(index)
     _sync(device)
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
-
     return {
         "steps_per_s": steps / elapsed,
         "elapsed_s": elapsed,
-        "process_cpu_s": cpu,  # all threads of rank 0's process
+        "process_cpu_s": cpu,  # all threads of this rank's process
         "steps": steps,
-        "warmup": warmup,
-        "rank": rank,
-        "world_size": world_size,
-        "batch_per_rank": BATCH_PER_RANK,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
         "backend": str(dist.get_backend()),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         "final_loss": float(loss.detach().cpu()),
     }
+
+
+# ---------------------------------------------------------------- the logging scenario
+
+
+def log_cost(calls: int) -> dict[str, float]:
+    """Nanoseconds per `ddp_notebook.log()` call (1 and 3 metrics) and per `progress()` step."""
+    import ddp_notebook
+
+    loops = {
+        "log_ns": "for _ in range(n): log(loss=0.5)",
+        "log3_ns": "for _ in range(n): log(loss=0.5, lr=0.5, accuracy=0.5)",
+        "progress_ns": "for _ in progress(range(n), desc='bench'): pass",
+    }
+    names = {"log": ddp_notebook.log, "progress": ddp_notebook.progress, "n": calls}
+    ddp_notebook.log(warmup=0.0)  # code paths warm
+
+    def best(loop: str) -> float:
+        return min(timeit.repeat(loop, number=1, repeat=3, globals=names))
+
+    baseline = best("for _ in range(n): pass")
+    return {name: (best(loop) - baseline) / calls * 1e9 for name, loop in loops.items()}
+
+
+KINDS = ("without", "control", "with")
+# each kind in each place equally often (a Latin square, then its mirror)
+ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (0, 2, 1), (1, 0, 2))
+
+
+def log_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds (wall and CPU) per block of `block` training steps, for each kind of block:
+    no logging, the same again (a control), and `log(loss=loss.item())` after every step."""
+    import ddp_notebook
+
+    step, device = _setup(0)
+    for index in range(warmup):
+        step(index)
+    _sync(device)
+    seconds: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
+    in_log = 0.0  # seconds inside log(), batch sends included: its cost amid training
+    for round_index in range(rounds):
+        for kind in (KINDS[i] for i in ORDERS[round_index % len(ORDERS)]):
+            began, cpu_began = time.perf_counter(), time.process_time()
+            for index in range(block):
+                loss = step(index)
+                if kind == "with":
+                    value = loss.item()
+                    logging_began = time.perf_counter()
+                    ddp_notebook.log(loss=value)
+                    in_log += time.perf_counter() - logging_began
+            seconds[kind].append(time.perf_counter() - began)
+            seconds[f"cpu_{kind}"].append(time.process_time() - cpu_began)
+    seconds["in_log"] = [in_log]
+    return seconds
+
+
+# ---------------------------------------------------------------- under torchrun
 
 
 def main() -> None:
@@ -114,23 +167,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--backend", default="gloo")
-    parser.add_argument(
-        "--control",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="(bench_training.py) stay up and train once per DIR/go-<n> file, until DIR/stop appears",
-    )
+    parser.add_argument("--serve", type=Path, metavar="DIR", help="train once per DIR/go-<n>.json until DIR/stop")
+    parser.add_argument("--exec", type=Path, metavar="FILE", dest="code", help="run FILE's code on every rank")
     args = parser.parse_args()
     dist.init_process_group(args.backend, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        if args.control is None:
-            _report(train(args.steps, args.warmup))
-        else:
-            _serve(args.control, args.steps, args.warmup)
-    finally:
-        # exiting with the group still up can abort the process
-        dist.destroy_process_group()
+    if args.code is not None:
+        # a script: an exception ends the job, as it would end the user's
+        exec(compile(args.code.read_text(), str(args.code), "exec"), {"rank": dist.get_rank(), "__name__": "cell"})
+    elif args.serve is not None:
+        _serve(args.serve)
+    else:
+        _report(train(args.steps, args.warmup))
+    # exiting with the group still up can abort the process
+    dist.destroy_process_group()
 
 
 def _report(result: dict[str, Any]) -> None:
@@ -138,22 +187,18 @@ def _report(result: dict[str, Any]) -> None:
         print(json.dumps(result), flush=True)
 
 
-def _serve(control: Path, steps: int, warmup: int) -> None:
-    """Train on request, so the benchmark can interleave runs with another launcher's.
-
-    Waiting ranks poll a file instead of sitting in a collective: they must not use CPU
-    while the other side is being timed.
-    """
-    _report({"ready": True})
+def _serve(control: Path) -> None:
+    dist.barrier()
+    _report({"ready": True, "t": time.time(), "torch_threads": torch.get_num_threads()})
     for index in itertools.count():
-        deadline = time.monotonic() + CONTROL_WAIT_SECONDS
-        while not (control / f"go-{index}").exists():
+        request, deadline = control / f"go-{index}.json", time.monotonic() + WAIT_SECONDS
+        while not request.exists():
             if (control / "stop").exists():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no request in {control} for {CONTROL_WAIT_SECONDS:g} s")
-            time.sleep(CONTROL_POLL_SECONDS)
-        _report(train(steps, warmup))
+                raise TimeoutError(f"no request in {control} for {WAIT_SECONDS:g} s")
+            time.sleep(POLL_SECONDS)
+        _report(train(**json.loads(request.read_text())))
 
 
 if __name__ == "__main__":
