@@ -186,17 +186,18 @@ class DDPCluster:
         start processes: its engines' namespaces are cleared instead, and a lost engine must
         be started again where the cluster runs.
         """
+        warm = self._provisioner.keep_warm() if self._provisioner is not None else None
         self.stop()
-        return self._start(clear_namespaces=True)
+        return self._start(clear_namespaces=True, warm=warm)
 
-    def _start(self, clear_namespaces: bool) -> DDPCluster:
+    def _start(self, clear_namespaces: bool, warm: object = None) -> DDPCluster:
         if self.running:
             raise DDPUsageError("this world is already running; stop() it first")
         began = time.perf_counter()
         deadline = began + self.config.start_timeout
         self._lifecycle.starting()
         self._private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
-        provisioner = self._provisioner = provisioning.provisioner_for(self.config, self._private_dir)
+        provisioner = self._provisioner = provisioning.provisioner_for(self.config, self._private_dir, warm)
         try:
             client = provisioner.start()
             identities = forming.wait_for_engines(provisioner, deadline)

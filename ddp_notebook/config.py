@@ -45,6 +45,8 @@ class WorldConfig:
     threads_per_rank: int = 1
     env: dict[str, str] = field(default_factory=dict)
     launch: LaunchConfig = field(default_factory=lambda: LaunchConfig())
+    # local ranks are forked from a template that imported torch once (where that is safe)
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -100,6 +102,7 @@ class WorldConfig:
         python: str | None = None,
         settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
         attach: AttachTarget | None = None,
+        warm_start: bool = True,
         **shortcuts: Any,
     ) -> WorldConfig:
         """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
@@ -116,7 +119,9 @@ class WorldConfig:
           of `launchers.SHORTCUTS` (`hosts`, `partition`, `account`, `time_limit`, `mpi_args`,
           `ssh_args`); ranks started elsewhere may get their number from the launch (ssh
           hosts, the attached cluster), their backend and GPUs from what their hosts have;
-        - `attach`: use the engines of a cluster started elsewhere instead of starting ranks.
+        - `attach`: use the engines of a cluster started elsewhere instead of starting ranks;
+        - `warm_start`: fork local ranks from a template process that imported torch once
+          (Linux; off where the ranks' own environment must be read by a fresh interpreter).
         """
         unknown = set(shortcuts) - set(launchers.SHORTCUTS)
         if unknown:
@@ -146,6 +151,7 @@ class WorldConfig:
             master_addr=address,
             curve=curve or not is_loopback(address),
             launch=launch,
+            warm_start=warm_start,
         )
 
 

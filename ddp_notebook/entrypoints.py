@@ -19,11 +19,7 @@ import sys
 import threading
 import time
 
-# what the notebook side tells the processes it starts, through their environment
-OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
-OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
-SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
-PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
+from ddp_notebook.processes import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV
 
 OWNER_POLL_SECONDS = 1.0
 CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
@@ -155,5 +151,6 @@ if __name__ == "__main__":
         engine_main()
     elif role == "controller":
         controller_main()
+
     else:
         sys.exit("usage: python -m ddp_notebook.entrypoints engine|controller [ipyparallel args]")

@@ -128,6 +128,12 @@ class DDPMagics(Magics):
         metavar="Class.trait=value",
         help="any ipyparallel launcher setting, e.g. SlurmEngineSetLauncher.qos=high (repeatable)",
     )
+    @argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="start each rank as a fresh interpreter instead of forking it from a warm template",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @line_magic
     @_usage_errors

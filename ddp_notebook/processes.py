@@ -12,6 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+# what the notebook side tells the processes it starts, through their environment
+OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
+OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
+SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
+PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
+
 
 def describe_exit(code: int | None) -> str:
     """How a rank process ended, in words a user can act on."""

@@ -56,8 +56,8 @@ def describe() -> Identity:
     import socket
 
     from ddp_notebook.devices import visible_gpus
-    from ddp_notebook.entrypoints import SLOT_ENV
     from ddp_notebook.layout import LAUNCHER_RANK_VARIABLES
+    from ddp_notebook.processes import SLOT_ENV
 
     slot = os.environ.get(SLOT_ENV, "")
     launcher_rank = next(

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from ddp_notebook import DDPCluster
-from ddp_notebook.entrypoints import OWNER_PID_ENV
+from ddp_notebook.processes import OWNER_PID_ENV
 
 
 def pid_alive(pid: int) -> bool:

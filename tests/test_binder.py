@@ -178,6 +178,10 @@ def run_notebooks(argv: list[str]) -> int:
                             role = "kernel"
                         elif argv[1:3] == ["-m", "ddp_notebook.entrypoints"]:  # a rank (or the controller) itself,
                             role = "rank" if "engine" in argv else "controller"  # not a launcher such as mpiexec
+                        elif argv[1:3] == ["-m", "ddp_notebook.template_process"]:
+                            # the warm template, or a rank forked from it (which keeps its argv)
+                            forked = process.parent().cmdline()[1:3] == argv[1:3]
+                            role = "rank" if forked else "template"
                         omp = process.environ().get("OMP_NUM_THREADS")
                         seen[process.pid] = {"role": role, "argv0": argv[0], "omp": omp}
                 except psutil.Error:

@@ -22,7 +22,7 @@ def test_context_manager_starts_and_stops(no_leaks: None) -> None:
     with DDPCluster(1, backend="gloo") as world:
         assert world.running and world.start_seconds is not None
         assert world.execute("rank + world_size").value_text(0) == "1"
-        assert len(world.pids) == 2  # controller + one rank
+        assert len(world.pids) == 3  # controller, the warm template, one rank
         pids = world.all_pids  # with the controller's helper processes
     assert not world.running
     assert wait_gone(pids) == []

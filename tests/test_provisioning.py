@@ -17,8 +17,8 @@ import pytest
 
 from ddp_notebook import DDPCluster, WorldConfig, devices, launchers, rank_calls
 from ddp_notebook.config import AttachTarget
-from ddp_notebook.entrypoints import OWNER_PID_ENV, SLOT_ENV
 from ddp_notebook.errors import DDPUsageError, StartError
+from ddp_notebook.processes import OWNER_PID_ENV, SLOT_ENV
 from ddp_notebook.provisioning import (
     AttachedProvisioner,
     LauncherProvisioner,

@@ -13,6 +13,7 @@ knows their PIDs and how each one ended, signals them, and ends them. Everything
 from __future__ import annotations
 
 from ..config import WorldConfig
+from ..template import TemplateClient
 from .attached import AttachedProvisioner
 from .base import Provisioner
 from .launcher import LauncherProvisioner
@@ -21,10 +22,13 @@ from .local import LocalProvisioner
 __all__ = ["AttachedProvisioner", "LauncherProvisioner", "LocalProvisioner", "Provisioner", "provisioner_for"]
 
 
-def provisioner_for(config: WorldConfig, private_dir: str) -> Provisioner:
-    """The provisioner a world described by `config` gets its processes from."""
+def provisioner_for(config: WorldConfig, private_dir: str, warm: object = None) -> Provisioner:
+    """The provisioner a world described by `config` gets its processes from.
+
+    `warm`: what a previous provisioner of the same world kept warm (`keep_warm()`), for a restart.
+    """
     if config.launch.attach is not None:
         return AttachedProvisioner(config, private_dir)
     if config.launch.is_local:
-        return LocalProvisioner(config, private_dir)
+        return LocalProvisioner(config, private_dir, warm if isinstance(warm, TemplateClient) else None)
     return LauncherProvisioner(config, private_dir)

@@ -51,6 +51,10 @@ class Provisioner(ABC):
     def too_few_message(self, registered: int, wanted: int) -> str:
         """What to say when too few ranks registered in time."""
 
+    def keep_warm(self) -> object:
+        """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""
+        return None
+
     def add(self, slots: Iterable[int]) -> None:
         """Start more rank processes for the given slots (ranks), to join the world."""
         raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")

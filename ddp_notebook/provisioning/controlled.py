@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from .. import processes
-from ..entrypoints import OWNER_HOST_ENV, OWNER_PID_ENV
 from ..ipp_adapter import recorded_exit
+from ..processes import OWNER_HOST_ENV, OWNER_PID_ENV
 from .base import Provisioner
 
 log = logging.getLogger("ddp_notebook")

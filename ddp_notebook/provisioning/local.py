@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from .. import devices, layout, network, processes
-from ..entrypoints import SLOT_ENV
+from .. import devices, layout, network, processes, template
+from ..config import WorldConfig
+from ..errors import StartError
+from ..processes import SLOT_ENV
 from ..results import RankInfo
-from .controlled import ControlledProvisioner
+from .controlled import ControlledProvisioner, launched_pids
 
 log = logging.getLogger("ddp_notebook")
 
@@ -26,18 +29,49 @@ class LocalProvisioner(ControlledProvisioner):
 
     starts_ranks_here = True
 
+    def __init__(self, config: WorldConfig, private_dir: str, warm: template.TemplateClient | None = None) -> None:
+        super().__init__(config, private_dir)
+        # ranks are forked from a warm template (torch imported once) unless that is off or unsafe
+        self.cold_reason = "warm start is off" if not config.warm_start else template.can_fork_ranks(config.env)
+        self.template = warm if self.cold_reason is None and warm is not None and warm.alive else None
+        if warm is not None and self.template is None:
+            warm.stop()
+
     def start(self) -> Any:
+        options: dict[str, Any] = {}
+        if self.cold_reason is None:
+            from .fork import ForkEngineSetLauncher
+
+            if self.template is None:
+                # its imports run while the controller starts
+                self.template = template.TemplateClient(sys.executable, self.owner_environment())
+                self.template.start()
+            options["engines"] = ForkEngineSetLauncher
         self.make_cluster(
-            # start the ranks together with the controller, not after it: their imports
-            # (ipyparallel, then torch) overlap the controller's start-up; they wait for its
-            # connection file in the (user-private) profile security directory
+            # start the ranks together with the controller, not after it: their imports (or the
+            # template's) overlap the controller's start-up; they wait for its connection file
+            # in the (user-private) profile security directory
             send_engines_connection_env=False,
+            **options,
         )
+        if self.template is not None:
+            try:
+                self.template.wait_ready(time.monotonic() + self.config.start_timeout)
+            except TimeoutError:
+                raise StartError(self.too_few_message(0, self.expected_ranks())) from None
+            except RuntimeError as failure:
+                raise StartError(str(failure)) from None
         self.add(range(self.expected_ranks()))
         self.client = self.cluster.connect_client_sync()
         return self.client
 
+    def keep_warm(self) -> template.TemplateClient | None:
+        """Hand the template over to the next world (a restart), so it is not stopped with this one."""
+        warm, self.template = self.template, None
+        return warm
+
     def add(self, slots: Iterable[int]) -> None:
+        forked = {"template": self.template} if self.template is not None else {}
         for slot in slots:
             self.cluster.start_engines_sync(
                 n=1,
@@ -51,6 +85,7 @@ class LocalProvisioner(ControlledProvisioner):
                     "--IPEngine.enable_nanny=False",
                 ],
                 delay=0,
+                **forked,
             )
 
     def rank_environment(self, slot: int) -> dict[str, str]:
@@ -76,6 +111,27 @@ class LocalProvisioner(ControlledProvisioner):
         if interface:
             environment["GLOO_SOCKET_IFNAME"] = environment["NCCL_SOCKET_IFNAME"] = interface
         return environment
+
+    @property
+    def pids(self) -> list[int]:
+        warm = [self.template.pid] if self.template is not None and self.template.pid else []
+        return launched_pids(self.cluster) + warm
+
+    def stop(self) -> None:
+        super().stop()  # the ranks first, cleanly; then the template they were forked from
+        if self.template is not None:
+            self.template.stop()
+            self.template = None
+
+    def exit_of(self, engine_set_id: str, pid: int | None = None) -> tuple[int | None, str] | None:
+        if self.template is not None:  # the ranks' parent knows how each one ended
+            engine_set = self.cluster.engines.get(engine_set_id) if self.cluster is not None else None
+            launchers = getattr(engine_set, "launchers", None) or {}
+            for candidate in [pid] if pid is not None else [launcher.pid for launcher in launchers.values()]:
+                if candidate in self.template.exits:
+                    launcher_logs = [getattr(launcher, "output_file", "") for launcher in launchers.values()]
+                    return self.template.exits[candidate], launcher_logs[0] if launcher_logs else ""
+        return super().exit_of(engine_set_id, pid)
 
     def start_failure(self) -> str | None:
         for slot in range(self.expected_ranks()):
