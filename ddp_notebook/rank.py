@@ -85,8 +85,10 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("socket_ifname"):
         # the interface of the route to rank 0 (gloo and NCCL otherwise pick one from the hostname)
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec["socket_ifname"]
+    env.update(_elastic_env(rank, world_size, int(spec["local_world_size"])))
     os.environ.update(env)
     torch.set_num_threads(int(spec["threads"]))
+    _declare_not_interactive()
 
     device = _choose_device(spec["backend"], spec.get("gpu"), int(spec["local_rank"]))
     timeout = datetime.timedelta(seconds=float(spec["timeout"]))
@@ -101,6 +103,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group(
         spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
     )
+    _share_run_id(store, rank)
     context = RankContext(
         rank=rank,
         world_size=world_size,
@@ -127,6 +130,76 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         "backend": spec["backend"],
         "main_thread": threading.main_thread().ident,
     }
+
+
+def _elastic_env(rank: int, world_size: int, local_world_size: int) -> dict[str, str]:
+    """The rest of the environment torchrun (torch 2.13's elastic agent) gives its workers.
+
+    Frameworks read it to decide that the processes were started for them: Lightning picks its
+    TorchElasticEnvironment (and so launches nothing) when TORCHELASTIC_RUN_ID is set,
+    Accelerate and the HF Trainer read RANK / LOCAL_RANK / WORLD_SIZE, torch's own
+    `is_torchelastic_launched()` reads TORCHELASTIC_RUN_ID. One role ("default"), as torchrun
+    without --role. Left out on purpose: TORCHELASTIC_ERROR_FILE (a file per worker the agent
+    reads back; there is no agent) and TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun's default
+    tears the process down on an NCCL error; here a rank's Python state outlives a broken group
+    and the world heals).
+    """
+    # torchrun's GROUP_WORLD_SIZE is the number of nodes; every host of a ddp_notebook world runs
+    # local_world_size ranks unless a launcher placed them unevenly (then: hosts rounded up)
+    groups = -(-world_size // max(local_world_size, 1))
+    return {
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": str(groups),
+        "TORCHELASTIC_RESTART_COUNT": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # replaced by rank 0's id once the store is up (_share_run_id); set now so nothing sees it unset
+        "TORCHELASTIC_RUN_ID": os.environ.get("TORCHELASTIC_RUN_ID", "ddp_notebook"),
+        # the process group is ours: an env:// init must not look for an agent's store
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+_RUN_ID_KEY = "ddp_notebook/run_id"
+
+
+def _share_run_id(store: dist.Store, rank: int) -> None:
+    """One TORCHELASTIC_RUN_ID for the world (rank 0's) and a restart count that a heal raises.
+
+    As under torchrun, where the run id stays and TORCHELASTIC_RESTART_COUNT grows when the
+    agent restarts its workers, a heal (a new process group over the same processes) keeps the
+    id and counts one more restart.
+    """
+    if rank == 0:
+        if "run_id" not in _state:
+            import uuid
+
+            _state["run_id"] = uuid.uuid4().hex
+            _state["joins"] = 0
+        else:
+            _state["joins"] += 1
+        store.set(_RUN_ID_KEY, f"{_state['run_id']}:{_state['joins']}")
+    run_id, _, joins = store.get(_RUN_ID_KEY).decode().partition(":")
+    os.environ["TORCHELASTIC_RUN_ID"] = run_id
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = joins
+
+
+def _declare_not_interactive() -> None:
+    """Tell libraries that this process is a worker of a world started from outside, as under torchrun.
+
+    IPython sets `sys.ps1` "so that scripts can decide if they are running interactively", and
+    libraries do: Lightning refuses `Trainer(strategy="ddp")` and `Fabric(strategy="ddp")` where
+    it is set, because it would have to start the other processes itself. A rank is no such
+    place: nobody types at it, its processes and LOCAL_RANK already exist. The prompt strings
+    are not used by the kernel the rank runs (ipykernel numbers its prompts in the notebook).
+    Done before any cell runs, so a library reading it at import time sees the worker's answer.
+    """
+    import sys
+
+    for name in ("ps1", "ps2", "ps3"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def _import_dynamo_first() -> None:
