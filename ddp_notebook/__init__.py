@@ -40,9 +40,25 @@ from .state import WorldState
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
-    from .rank import barrier, is_main, prepare_loader, prepare_model, save_checkpoint
+    from .rank import (
+        barrier,
+        is_main,
+        load_checkpoint,
+        prepare_loader,
+        prepare_model,
+        save_checkpoint,
+        shard_model,
+    )
 
-_RANK_HELPERS = ("barrier", "is_main", "prepare_loader", "prepare_model", "save_checkpoint")
+_RANK_HELPERS = (
+    "barrier",
+    "is_main",
+    "load_checkpoint",
+    "prepare_loader",
+    "prepare_model",
+    "save_checkpoint",
+    "shard_model",
+)
 # live progress and metrics (standard library only, no torch)
 _CHANNEL_NAMES = ("Metrics", "log", "progress")
 
@@ -69,12 +85,14 @@ __all__ = [
     "__version__",
     "barrier",
     "is_main",
+    "load_checkpoint",
     "load_ipython_extension",
     "log",
     "prepare_loader",
     "prepare_model",
     "progress",
     "save_checkpoint",
+    "shard_model",
     "unload_ipython_extension",
 ]
 

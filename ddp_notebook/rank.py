@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import threading
 import weakref
@@ -119,6 +120,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     # after a heal: models wrapped by prepare_model move onto the new group
     for wrapper in list(_state["wrappers"]):
         wrapper._update_process_group(dist.group.WORLD)
+    _regroup_sharded(dist.group.WORLD, registered=True)
     if spec.get("stack_dir") and not _state.get("stack_dumps"):
         from .stacks import enable_stack_dumps
 
@@ -223,12 +225,37 @@ def release_group() -> None:
         placeholder = _placeholder_group()
         for wrapper in wrappers:
             wrapper._update_process_group(placeholder)
+    if _user_namespace() and "torch.distributed.fsdp" in sys.modules:
+        _regroup_sharded(_placeholder_group(), registered=False)
     close_rendezvous()
     if dist.is_initialized():
         dist.destroy_process_group()
     import gc
 
     gc.collect()  # the group's sockets close when its last reference goes
+
+
+def _user_namespace() -> dict[str, Any]:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return {}
+    shell = get_ipython()
+    return shell.user_ns if shell is not None else {}
+
+
+def _regroup_sharded(group: dist.ProcessGroup, registered: bool) -> None:
+    """FSDP2 models in the rank's namespace follow the world onto `group` (see sharding.regroup)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return  # nothing can be sharded yet; importing FSDP here would slow every start
+    from . import sharding
+
+    modules = sharding.sharded_modules(_user_namespace())
+    if not modules:
+        return
+    skipped = sharding.regroup(modules, group, registered)
+    if skipped and registered:
+        print(f"ddp_notebook: sharded models on {', '.join(skipped)} keep the old process group; shard them again")
 
 
 def _placeholder_group() -> dist.ProcessGroup:
@@ -362,14 +389,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
-    """Move `model` to this rank's device and wrap it in DistributedDataParallel.
+def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: Any) -> torch.nn.Module:
+    """Move `model` to this rank's device and wrap it in DistributedDataParallel (or shard it).
+
+    `shard=True`: shard it with FSDP2 instead (`shard_model`). A model already sharded is
+    returned as it is (DDP over FSDP would all-reduce what FSDP already reduces).
 
     On GPUs that device is `cuda:LOCAL_RANK` (the published `device`), and DDP gets
     `device_ids=[LOCAL_RANK]`. Wrapping broadcasts rank 0's parameters, so every rank starts
     from the same weights. Keyword arguments go to `DistributedDataParallel` (e.g.
     `find_unused_parameters=True`).
     """
+    if shard or _is_sharded(model):
+        if ddp_kwargs:
+            raise TypeError(f"DistributedDataParallel options {sorted(ddp_kwargs)} do not apply to a sharded model")
+        return shard_model(model)
     current = context()
     model = model.to(current.device)
     if current.device.type == "cuda":
@@ -377,6 +411,31 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.paralle
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
     return wrapper
+
+
+def _is_sharded(model: Any) -> bool:
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from .sharding import is_sharded
+
+    return is_sharded(model)
+
+
+def shard_model(
+    model: torch.nn.Module, *, blocks: Any = None, mesh: Any = None, **fully_shard_kwargs: Any
+) -> torch.nn.Module:
+    """Shard `model` with FSDP2 (`fully_shard`) over the world, on this rank's device.
+
+    Each block (the entries of the model's `ModuleList`s / `Sequential`s, e.g. a transformer's
+    layers; or `blocks=[...]`) is sharded on its own, then the root: in forward, one block's
+    parameters are gathered at a time. The mesh is one-dimensional over every rank (`mesh=` to
+    give your own); other keyword arguments go to `fully_shard` (`mp_policy`,
+    `reshard_after_forward`, ...). A model you sharded yourself is returned as it is. Save and
+    load it with `save_checkpoint` / `load_checkpoint` (every rank writes its own shard).
+    """
+    from .sharding import shard_model as shard
+
+    return shard(model, context().device, blocks=blocks, mesh=mesh, **fully_shard_kwargs)
 
 
 class EpochDataLoader(DataLoader):
@@ -431,7 +490,15 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> str | None:
     A model (DDP-wrapped or not) is saved as its plain state_dict, loadable without DDP.
     The file is written to a temporary name and renamed, so a reader never sees half a file.
     Other ranks do not wait: call `ddp_notebook.barrier()` after it if they read the file.
+
+    A model sharded with FSDP2 is saved with torch.distributed.checkpoint instead: `path` is a
+    directory, every rank writes its own shard (call it on every rank), and every rank gets the
+    path back. `load_checkpoint` reads it on any number of ranks, or in one process.
     """
+    if _is_sharded(obj):
+        from .sharding import save_sharded
+
+        return save_sharded(obj, path)
     if context().rank != 0:
         return None
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
@@ -450,3 +517,24 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> str | None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str]) -> torch.nn.Module:
+    """Load a checkpoint written by `save_checkpoint` into `model` (on every rank, or in one process).
+
+    A directory is a torch.distributed.checkpoint written by sharded models: a sharded model
+    reads its own slices whatever the number of ranks that wrote it; a plain model (DDP-wrapped
+    or not, in a world or in a process without one) reads all of it. A file is a torch.save'd
+    state_dict. Returns `model`.
+    """
+    target = os.fspath(path)
+    if os.path.isdir(target):
+        from .sharding import load_sharded
+
+        plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        load_sharded(plain, target)
+        return model
+    state = torch.load(target, map_location="cpu", weights_only=True)
+    plain = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    plain.load_state_dict(state)
+    return model

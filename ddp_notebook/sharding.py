@@ -1,0 +1,178 @@
+"""FSDP2 on the ranks: sharding a model, sharded checkpoints, and keeping sharded models through a heal.
+
+Runs on ranks (torch + stdlib). `shard_model` applies `torch.distributed.fsdp.fully_shard` per
+block, then to the root, on a one-dimensional DeviceMesh over the world. Checkpoints of sharded
+models go through `torch.distributed.checkpoint` (DCP): every rank writes its own shard into one
+directory, and the directory loads on another world size (DCP reshards) or into a plain model in
+one process. A heal makes a new process group; the sharded models found in the rank's namespace
+are moved onto it (`regroup`), as `prepare_model`'s DDP wrappers are.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def is_sharded(model: Any) -> bool:
+    """True for a module that FSDP2 sharded (itself or any submodule)."""
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def default_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units `shard_model` shards one by one before the root.
+
+    The entries of every `nn.ModuleList` / `nn.Sequential` holding parameters (a transformer's
+    layers, a CNN's stages): each becomes one all-gather in forward, so only one block's full
+    parameters are materialised at a time. A model without such a list is sharded as one unit.
+    """
+    blocks: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if module is model or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        for child in module.children():
+            inside = any(id(m) in seen for m in child.modules())
+            if not inside and any(True for _ in child.parameters()):
+                blocks.append(child)
+                seen.add(id(child))
+    # keep the outermost lists only: a block inside an already chosen block stays in it
+    chosen = []
+    for block in blocks:
+        if not any(block is not other and any(block is m for m in other.modules()) for other in blocks):
+            chosen.append(block)
+    return chosen
+
+
+def world_mesh(device: torch.device) -> DeviceMesh:
+    """A one-dimensional DeviceMesh over every rank of the world, on this rank's device type."""
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard_model(
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    blocks: Iterable[torch.nn.Module] | None = None,
+    mesh: DeviceMesh | None = None,
+    **fully_shard_kwargs: Any,
+) -> torch.nn.Module:
+    """Shard `model` with FSDP2 over the world: `fully_shard` per block, then on the root.
+
+    A model the user sharded already is returned as it is. Parameters are moved to `device`
+    first; ranks must build the model the same way (fully_shard keeps each rank's own slice of
+    each rank's own initial values: seed the same on every rank, or load a checkpoint after).
+    """
+    if is_sharded(model):
+        return model
+    model = model.to(device)
+    mesh = mesh if mesh is not None else world_mesh(device)
+    for block in default_blocks(model) if blocks is None else blocks:
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+
+def save_sharded(model: torch.nn.Module, path: str | os.PathLike[str]) -> str:
+    """Every rank writes its shard of `model` into the directory `path` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    target = os.path.abspath(os.fspath(path))
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=target)
+    return target
+
+
+def load_sharded(model: torch.nn.Module, path: str | os.PathLike[str]) -> torch.nn.Module:
+    """Load a DCP checkpoint directory into `model`: sharded on any world size, or a plain model.
+
+    In a world, a sharded model reads the slices it holds (DCP reshards a checkpoint written by
+    another number of ranks); a plain model (DDP's or in one process, without a process group)
+    reads everything.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    source = os.path.abspath(os.fspath(path))
+    if dist.is_initialized() and is_sharded(model):
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=source)
+        set_model_state_dict(model, state["model"])
+        return model
+    state = {"model": model.state_dict()}
+    # without a process group DCP reads in this process alone (and says so); with one, every rank reads all
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=source, no_dist=not dist.is_initialized())
+    model.load_state_dict(state["model"])
+    return model
+
+
+# ------------------------------------------------------------------------------- heal
+
+
+def sharded_modules(namespace: dict[str, Any]) -> list[FSDPModule]:
+    """Every FSDP2-sharded module reachable from the top-level modules of a namespace."""
+    found: dict[int, FSDPModule] = {}
+    for value in list(namespace.values()):
+        if isinstance(value, torch.nn.Module):
+            for module in value.modules():
+                if isinstance(module, FSDPModule):
+                    found[id(module)] = module
+    return list(found.values())
+
+
+def regroup(modules: Iterable[FSDPModule], group: dist.ProcessGroup, registered: bool) -> list[str]:
+    """Point sharded modules at `group` (the world's new group, or a placeholder while released).
+
+    FSDP2 keeps the shard group in its mesh infos and resolves it by name through its
+    DeviceMesh; both are moved. `registered` is False for the placeholder, which has no name:
+    the meshes then forget the old group's name, so nothing keeps the old group (and its
+    sockets) alive. Meshes of more than one dimension (HSDP) cannot be rebuilt here and are
+    returned by description, to be reported.
+    """
+    infos: dict[int, Any] = {}
+    meshes: dict[int, DeviceMesh] = {}
+    skipped: list[str] = []
+    for module in modules:
+        param_group = module._get_fsdp_state()._fsdp_param_group
+        if param_group is None:
+            continue
+        for holder in (param_group, *param_group.fsdp_params):
+            for attr in ("mesh_info", "post_forward_mesh_info"):
+                info = getattr(holder, attr, None)
+                if info is not None:
+                    infos[id(info)] = info
+                    meshes[id(info.mesh)] = info.mesh
+            sharded = getattr(holder, "sharded_param", None)
+            if sharded is not None and hasattr(sharded, "device_mesh"):
+                meshes[id(sharded.device_mesh)] = sharded.device_mesh
+    for mesh in meshes.values():
+        if mesh.ndim != 1:
+            skipped.append(f"a {mesh.ndim}-dimensional mesh {tuple(mesh.shape)}")
+            continue
+        if registered:
+            mesh._dim_group_names = [group.group_name]
+            mesh._pg_registry = {group.group_name: group}
+        else:
+            mesh._pg_registry = {}
+    for info in infos.values():
+        if info.mesh.ndim != 1:
+            continue
+        if hasattr(info, "shard_process_group"):
+            info.shard_process_group = group
+            if getattr(info, "reduce_scatter_process_group", None) is not None:
+                info.reduce_scatter_process_group = group
+        if hasattr(info, "replicate_process_group"):
+            info.replicate_process_group = group
+    return skipped
