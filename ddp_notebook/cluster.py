@@ -9,6 +9,7 @@ in a `WorldLifecycle`.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import socket
@@ -17,10 +18,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, devices, forming, provisioning, rank_calls
+from . import channel, config, devices, export, forming, provisioning, rank_calls
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
 from .errors import DDPError, DDPUsageError, NotRunningError, StartError, WorldBrokenError, one_line
+from .export import CellRecord
 from .outcome import CellOutcome, breaks_process_group
 from .relay import CellRelay, OutputSink
 from .results import CellResult, RankInfo, RankStatus
@@ -76,6 +78,8 @@ class DDPCluster:
         self.last_heal_seconds: float | None = None
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = channel.Recorder()
+        # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
+        self.cell_history: list[CellRecord] = []
 
     @classmethod
     def attach_to(
@@ -329,7 +333,7 @@ class DDPCluster:
         elif relay.released or breaks_process_group(failures):
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
-        return CellOutcome(
+        outcome = CellOutcome(
             result=result,
             ending=ending,
             failures=failures,
@@ -339,6 +343,21 @@ class DDPCluster:
             stuck_report=relay.stuck_report,
             heal_note=heal_note,
         )
+        self._record_cell(code, targets, outcome.ok)
+        return outcome
+
+    # ------------------------------------------------------------------ export (cell history)
+
+    def _record_cell(self, code: str, ranks: tuple[int, ...], ok: bool) -> None:
+        number = len(self.cell_history) + 1
+        self.cell_history.append(CellRecord(number, code, tuple(ranks), ok, self.world_size))
+
+    def export_script(
+        self, path: str | os.PathLike[str], cells: Iterable[int] | None = None, *, overwrite: bool = False
+    ) -> str:
+        """Write the cells run so far (default: every one that succeeded; or the numbers in
+        `cells`) as one script for torchrun at `path`; returns its absolute path. `%ddp_export`."""
+        return export.export_script(self.cell_history, path, cells, backend=self.backend, overwrite=overwrite)
 
     def _heal_after_cell(self, busy: tuple[int, ...]) -> str:
         if busy:

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import config, launchers
+from . import config, export, launchers
 from .channel import Feed, Metrics, Recorder
 from .cluster import DDPCluster
 from .config import WorldConfig
@@ -288,6 +288,24 @@ class DDPMagics(Magics):
             raise DDPUsageError(f"%ddp_status takes no arguments, got '{line.strip()}'")
         world = self._running_world()
         print(format_status(world, world.status()))
+
+    @magic_arguments()
+    @argument("path", nargs="?", default=None, help="the script to write, e.g. train.py")
+    @argument("--cells", default=None, help="cells to export: 1,3-5 (default: every cell that succeeded)")
+    @argument("--list", action="store_true", help="list the cells this world ran, numbered")
+    @argument("--force", action="store_true", help="overwrite an existing file")
+    @line_magic
+    @_usage_errors
+    def ddp_export(self, line: str) -> None:
+        """Write the %%ddp cells run so far as one script for torchrun (failed cells left out)."""
+        args = parse_argstring(self.ddp_export, line)
+        if self.world is None:
+            raise DDPUsageError("no DDP world: start one with %ddp_start N and run %%ddp cells first")
+        if args.list or args.path is None:
+            print(export.listing(self.world.cell_history))
+            return
+        target = self.world.export_script(args.path, export.parse_selection(args.cells), overwrite=args.force)
+        print(f"wrote {target}; run it with: torchrun --nproc-per-node {self.world.world_size} {args.path}")
 
     def _running_world(self) -> DDPCluster:
         if self.world is None or not self.world.running:
