@@ -21,7 +21,10 @@ import warnings
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from .results import MemoryReading
 
 # the rank publishes at most this often (and once more when the cell ends)
 FLUSH_SECONDS = 0.1
@@ -512,6 +515,7 @@ class Feed:
         self.elapsed = 0.0
         self.finished = False
         self.outcome: str | None = None
+        self.memory_reading: MemoryReading | None = None  # the ranks' memory, read about once a second
         self._last_draw = -math.inf
         # default steps of an appended cell continue after the earlier cells' steps
         self._step_base: dict[int, int] = dict(previous.step_base_after()) if previous is not None else {}
@@ -537,6 +541,11 @@ class Feed:
             self.finish()
         elif now - self._last_draw >= self._redraw_seconds:
             self._draw(final=False, now=now)
+
+    def memory(self, reading: MemoryReading) -> None:
+        """The ranks' memory against their limit (the running cell reads it about once a second);
+        the status table shows it at its next redraw."""
+        self.memory_reading = reading
 
     def _begin(self) -> None:
         if self._on_first is not None:

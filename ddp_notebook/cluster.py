@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, devices, export, forming, provisioning, rank_calls
+from . import channel, config, devices, export, forming, limits, provisioning, rank_calls
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
 from .errors import DDPError, DDPUsageError, NotRunningError, StartError, WorldBrokenError, one_line
 from .export import CellRecord
 from .outcome import CellOutcome, breaks_process_group
 from .relay import CellRelay, OutputSink
-from .results import CellResult, RankInfo, RankStatus
+from .results import CellResult, MemoryReading, RankInfo, RankStatus
 from .state import WorldLifecycle, WorldState
 from .supervision import WorldSupervisor
 from .syntax import check_syntax
@@ -322,7 +322,9 @@ class DDPCluster:
         result = CellResult(ranks=targets)
         view = self._view(tuple(self._ranks[r].engine_id for r in targets))
         relay.attach(view.execute(code, silent=False, block=False))
-        sink = OutputSink(self._stdout, self._stderr, None if stream else result, on_data)
+        # the live view shows the ranks' memory too; a caller's own on_data gets rank data only
+        on_memory = on_data.memory if isinstance(on_data, channel.Feed) else None
+        sink = OutputSink(self._stdout, self._stderr, None if stream else result, on_data, on_memory)
         ending = relay.wait(sink, timeout, self._supervisor)
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
@@ -469,8 +471,15 @@ class DDPCluster:
 
     # ------------------------------------------------------------------ status
 
+    def memory(self) -> MemoryReading | None:
+        """The memory of the ranks on this host against the limit they share (their cgroup's, or
+        the machine's): `reading.fraction`, `reading.rank_bytes`; None where no rank runs here."""
+        self._require_running(allow_broken=True)
+        assert self._supervisor is not None
+        return self._supervisor.memory.read(list(self.ranks))
+
     def status(self) -> list[RankStatus]:
-        """State (idle/busy/gone), host, pid, device and memory of every rank."""
+        """State (idle/busy/gone), host, pid, device, memory (against its limit) of every rank."""
         self._require_running(allow_broken=True)
         assert self._controller is not None
         try:
@@ -480,6 +489,10 @@ class DDPCluster:
                 f"the controller did not answer within {QUERY_SECONDS:g} s: is its host reachable? %ddp_restart"
             ) from None
         gpu_memory = devices.gpu_memory_by_pid() if any(info.gpu for info in self.ranks) else {}
+        # a rank's GPU is a CUDA_VISIBLE_DEVICES entry: an index (nvidia-smi's order) or a UUID
+        gpu_totals = {key: g.memory_total_mb for g in limits.gpus() for key in (g.index, g.uuid)} if gpu_memory else {}
+        reading = self.memory()
+        limit_mb = reading.limit / 2**20 if reading is not None else None
         here = socket.gethostname()
         rows = []
         for info in self.ranks:
@@ -497,6 +510,8 @@ class DDPCluster:
                     device=info.device,
                     memory_mb=devices.resident_memory_mb(info.pid) if info.host == here else None,
                     gpu_memory_mb=gpu_memory.get(info.pid),
+                    memory_limit_mb=limit_mb if info.host == here else None,
+                    gpu_memory_total_mb=gpu_totals.get(info.gpu or "") if info.host == here else None,
                 )
             )
         return rows

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import devices, launchers, layout, network
+from . import devices, launchers, layout, limits, network
 from .errors import DDPUsageError
 
 Backend = Literal["gloo", "nccl"]
@@ -22,6 +22,19 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo")
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
 MAX_DEFAULT_CPU_RANKS = 4
+# CPU ranks beyond this many per core are refused (unless forced): each one would get a small
+# slice of a core and a few hundred MiB; on fewer cores, up to MAX_DEFAULT_CPU_RANKS still go
+CPU_RANKS_PER_CORE = 2
+# Memory of one rank before any data or model, as a floor for what a world needs. Measured with
+# torch 2.13 (CPU build) on Linux: a world of 2 and of 4 gloo ranks, each after one cell, with
+# psutil's memory_full_info() of every process (/tmp script: DDPCluster(n, backend="gloo",
+# warm_start=...), then rss/pss/uss per pid): a rank started as a fresh interpreter has RSS
+# 333-345 MiB (PSS 262, USS 250); a rank forked from the warm template RSS 270-289 MiB but
+# PSS 137-159 MiB (it shares torch with the template, RSS 321 MiB), even after a DDP step and
+# gc.collect(); the controller and its helpers about 100 MiB PSS in all. The fresh rank's RSS
+# covers a warm world too (the template's share included). GPU ranks hold more host memory
+# (the CUDA libraries), not measured here: for them this is a lower bound.
+RANK_MEMORY_BYTES = 340 * 2**20
 
 
 @dataclass(frozen=True)
@@ -103,11 +116,13 @@ class WorldConfig:
         settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
         attach: AttachTarget | None = None,
         warm_start: bool = True,
+        force: bool = False,
         **shortcuts: Any,
     ) -> WorldConfig:
         """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
 
-        - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores);
+        - no `n_ranks`: one rank per visible GPU, or on CPU up to 4 ranks (never more than cores,
+          counted as the container's CPU quota allows, nor more than the memory holds);
         - `backend="auto"`: nccl when the ranks have GPUs, gloo otherwise;
         - threads per rank: `OMP_NUM_THREADS` if the user set it; else 1 on GPU ranks (as torchrun
           does) and an equal share of the cores on CPU ranks, so ranks never oversubscribe cores;
@@ -121,7 +136,10 @@ class WorldConfig:
           hosts, the attached cluster), their backend and GPUs from what their hosts have;
         - `attach`: use the engines of a cluster started elsewhere instead of starting ranks;
         - `warm_start`: fork local ranks from a template process that imported torch once
-          (Linux; off where the ranks' own environment must be read by a fresh interpreter).
+          (Linux; off where the ranks' own environment must be read by a fresh interpreter);
+        - `force`: start a local world that does not fit: more ranks than the memory available
+          holds (about RANK_MEMORY_BYTES each before any data), or more CPU ranks than
+          CPU_RANKS_PER_CORE per core (and more than 4). Without it such a world is refused.
         """
         unknown = set(shortcuts) - set(launchers.SHORTCUTS)
         if unknown:
@@ -140,7 +158,9 @@ class WorldConfig:
         if backend not in BACKEND_CHOICES:
             raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
         placement = (
-            _ranks_here(n_ranks, backend, gpus) if launch.is_local else _ranks_elsewhere(n_ranks, backend, gpus, launch)
+            _ranks_here(n_ranks, backend, gpus, force)
+            if launch.is_local
+            else _ranks_elsewhere(n_ranks, backend, gpus, launch)
         )
         return cls(
             **placement,
@@ -198,14 +218,17 @@ def _check_seconds(name: str, value: float) -> None:
         raise DDPUsageError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
-def _ranks_here(n_ranks: int | None, backend: str, gpus: str | Iterable[int | str] | None) -> dict[str, Any]:
+def _ranks_here(
+    n_ranks: int | None, backend: str, gpus: str | Iterable[int | str] | None, force: bool = False
+) -> dict[str, Any]:
     """Rank count, backend, GPUs and threads of a world started on this machine."""
     chosen_gpus = _parse_gpus(gpus) if gpus is not None else None
     available = devices.visible_gpus()
+    memory = devices.memory_limit()
     if chosen_gpus is None:
         use_gpus = backend != "gloo" and bool(available)
         if n_ranks is None:
-            n_ranks = len(available) if use_gpus else min(MAX_DEFAULT_CPU_RANKS, devices.usable_cpus())
+            n_ranks = len(available) if use_gpus else _default_cpu_ranks(memory)
         _check_rank_count(n_ranks)
         if use_gpus:
             if n_ranks > len(available):
@@ -225,10 +248,17 @@ def _ranks_here(n_ranks: int | None, backend: str, gpus: str | Iterable[int | st
         if n_ranks is None:
             n_ranks = len(chosen_gpus)
         _check_rank_count(n_ranks)
-        unknown = [g for g in chosen_gpus if available and g not in available]
+        if not available:
+            raise DDPUsageError(
+                f"--gpus {','.join(chosen_gpus)}: no GPU is visible on this machine; "
+                "leave out --gpus to start CPU ranks (gloo)"
+            )
+        unknown = [g for g in chosen_gpus if g not in available]
         if unknown:
-            raise DDPUsageError(f"GPU(s) {','.join(unknown)} not visible; visible: {','.join(available) or 'none'}")
+            raise DDPUsageError(f"GPU(s) {','.join(unknown)} not visible; visible: {','.join(available)}")
     layout.check_world_gpus(chosen_gpus)
+    if not force:
+        _check_fit(n_ranks, bool(chosen_gpus), memory)
     resolved = ("nccl" if chosen_gpus else "gloo") if backend == "auto" else backend
     if resolved == "nccl" and not chosen_gpus:
         raise DDPUsageError("backend 'nccl' needs GPUs and none are visible; use --backend gloo (or auto)")
@@ -238,6 +268,47 @@ def _ranks_here(n_ranks: int | None, backend: str, gpus: str | Iterable[int | st
         "gpus": tuple(chosen_gpus),
         "threads_per_rank": _threads_per_rank(n_ranks, bool(chosen_gpus)),
     }
+
+
+def _default_cpu_ranks(memory: limits.MemoryLimit | None) -> int:
+    """Up to 4 CPU ranks, no more than cores, nor than the memory available holds (at least 1)."""
+    most = min(MAX_DEFAULT_CPU_RANKS, devices.usable_cpus())
+    if memory is not None:
+        most = min(most, max(1, memory.available // RANK_MEMORY_BYTES))
+    return most
+
+
+def max_cpu_ranks(cpus: int) -> int:
+    """The most CPU ranks a machine with `cpus` cores takes without --force."""
+    return max(MAX_DEFAULT_CPU_RANKS, CPU_RANKS_PER_CORE * cpus)
+
+
+def _check_fit(n_ranks: int, on_gpu: bool, memory: limits.MemoryLimit | None) -> None:
+    """Refuse a local world that cannot fit this machine: one line, what fits, how to override."""
+    kind = "GPU" if on_gpu else "CPU"
+    fits = n_ranks
+    reasons = []
+    if not on_gpu:
+        cpus = devices.usable_cpus()
+        most = max_cpu_ranks(cpus)
+        if n_ranks > most:
+            fits = min(fits, most)
+            reasons.append(f"{cpus} core{'s' if cpus != 1 else ''} take at most {most} CPU ranks")
+    if memory is not None and n_ranks * RANK_MEMORY_BYTES > memory.available:
+        held = int(memory.available // RANK_MEMORY_BYTES)
+        fits = min(fits, held)
+        reasons.append(
+            f"{n_ranks} ranks need about {limits.format_bytes(n_ranks * RANK_MEMORY_BYTES)} "
+            f"({limits.format_bytes(RANK_MEMORY_BYTES)} each before any data) and "
+            f"{limits.format_bytes(memory.available)} is free of {memory.describe()}"
+        )
+    if not reasons:
+        return
+    advice = f"start at most {fits} (%ddp_start {fits})" if fits >= 1 else "free some memory first"
+    raise DDPUsageError(
+        f"{n_ranks} {kind} ranks do not fit here: {'; '.join(reasons)}; "
+        f"{advice}, or add --force (force=True) to start {n_ranks} anyway"
+    )
 
 
 def _ranks_elsewhere(n_ranks: int | None, backend: str, gpus: object, launch: LaunchConfig) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Which GPUs and CPU cores this machine offers, found without importing torch.
+"""Which GPUs, CPU cores and memory this process may use, found without importing torch.
 
 The notebook kernel never imports torch: it only launches ranks, so it must not pay for
 torch's import or initialize CUDA (a CUDA context in the kernel would pin memory on GPU 0).
@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from . import limits
 
 _NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
 
@@ -54,11 +56,15 @@ def _count_gpus() -> int:
 
 
 def usable_cpus() -> int:
-    """CPU cores this process may run on (respects affinity masks and container cpusets)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    """CPU cores this process may use: its affinity mask (cpusets), capped by its cgroup's CPU
+    quota (Docker --cpus, Kubernetes CPU limits, Binder), rounded up; at least 1."""
+    return limits.Platform().usable_cpus()
+
+
+def memory_limit() -> limits.MemoryLimit | None:
+    """The memory limit this process (and the ranks it starts) reaches first, with its use;
+    None where it cannot be read (not Linux)."""
+    return limits.Platform().memory_limit()
 
 
 def resident_memory_mb(pid: int) -> float | None:

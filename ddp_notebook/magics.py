@@ -134,6 +134,11 @@ class DDPMagics(Magics):
         action="store_false",
         help="start each rank as a fresh interpreter instead of forking it from a warm template",
     )
+    @argument(
+        "--force",
+        action="store_true",
+        help="start the ranks even if they do not fit this machine's cores or memory (refused otherwise)",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @line_magic
     @_usage_errors
@@ -283,11 +288,11 @@ class DDPMagics(Magics):
     @line_magic
     @_usage_errors
     def ddp_status(self, line: str = "") -> None:
-        """Show each rank's state (idle/busy), host, pid, device and memory."""
+        """Show each rank's state (idle/busy), host, pid, device and memory against its limit."""
         if line.strip():
             raise DDPUsageError(f"%ddp_status takes no arguments, got '{line.strip()}'")
         world = self._running_world()
-        print(format_status(world, world.status()))
+        print(format_status(world, world.status(), world.memory()))
 
     @magic_arguments()
     @argument("path", nargs="?", default=None, help="the script to write, e.g. train.py")

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .limits import OomVerdict
+
 # what the notebook side tells the processes it starts, through their environment
 OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
 OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
@@ -19,15 +21,25 @@ SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started
 PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
 
 
-def describe_exit(code: int | None) -> str:
-    """How a rank process ended, in words a user can act on."""
+def describe_exit(code: int | None, oom: OomVerdict | None = None) -> str:
+    """How a rank process ended, in words a user can act on.
+
+    `oom` says whether the out-of-memory killer struck meanwhile, from the cgroup's own
+    counters (`limits.Platform.oom_since`): a SIGKILL is then named for what it was instead
+    of guessed at.
+    """
+    oom_killed = oom.killed if oom is not None else None
     if code is None:
         return "exited"
+    if code == -signal.SIGKILL and oom_killed and oom is not None:
+        return f"was killed by the out-of-memory killer ({oom.cause})"
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
+        if name == "SIGKILL" and oom_killed is False:
+            return "was killed by SIGKILL"  # not for memory: the counters did not move
         hint = {
             "SIGKILL": " (often the out-of-memory killer)",
             "SIGSEGV": " (a crash in native code)",

@@ -20,7 +20,7 @@ from .errors import RankFailure, one_line
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
 from .output import LineAssembler, tag_lines
-from .results import CellResult
+from .results import CellResult, MemoryReading
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0
@@ -28,6 +28,8 @@ INTERRUPT_GRACE_SECONDS = 5.0
 OUTPUT_DRAIN_SECONDS = 2.0
 # how often a running cell checks that its ranks' processes are alive
 DEATH_CHECK_SECONDS = 0.25
+# how often a running cell reads its ranks' memory against their limit (a few small files)
+MEMORY_CHECK_SECONDS = 1.0
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
 DEATH_GRACE_SECONDS = 3.0
 # after a rank failed (or the ranks were interrupted), how long the others may keep running
@@ -50,6 +52,9 @@ class CellSupervisor(Protocol):
     def release(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks` let go of the process group, so peers blocked in it with them fail."""
 
+    def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
+        """The memory of `ranks` against their limit; with a warning when it crossed the warning level."""
+
 
 @dataclass
 class _WaitClock:
@@ -62,9 +67,11 @@ class _WaitClock:
     stop_at: float | None = None  # set once we interrupted the ranks or one died
     release_at: float | None = None  # set once some ranks finished badly while others run
     next_death_check: float = 0.0
+    next_memory_check: float = 0.0
 
     def __post_init__(self) -> None:
         self.next_death_check = self.began + DEATH_CHECK_SECONDS
+        self.next_memory_check = self.began + MEMORY_CHECK_SECONDS
 
 
 class OutputSink:
@@ -76,11 +83,26 @@ class OutputSink:
         stderr: TextIO | None,
         collect: CellResult | None,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
+        on_memory: Callable[[MemoryReading], None] | None = None,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._collect = collect
         self._on_data = on_data
+        self._on_memory = on_memory
+
+    def memory(self, reading: MemoryReading) -> None:
+        """A memory reading: to the live view; its warning, if any, to stderr at once (even
+        when output is collected: it is about the machine, not the cell's output)."""
+        if reading.warning:
+            target = self._stderr or sys.stderr
+            target.write(reading.warning + "\n")
+            try:
+                target.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._on_memory is not None:
+            self._on_memory(reading)
 
     def data(self, rank: int, payload: dict[str, Any]) -> None:
         if self._on_data is not None:
@@ -185,6 +207,7 @@ class CellRelay:
             try:
                 if self._step(clock, supervisor):
                     break
+                self._watch_memory(clock, supervisor, sink)
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -225,6 +248,18 @@ class CellRelay:
             if self.dead and clock.stop_at is None:
                 clock.stop_at = now + DEATH_GRACE_SECONDS
         return False
+
+    def _watch_memory(self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink) -> None:
+        now = time.monotonic()
+        if now < clock.next_memory_check or self.dead:
+            return
+        clock.next_memory_check = now + MEMORY_CHECK_SECONDS
+        try:
+            reading = supervisor.check_memory(self._ranks)
+        except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
+            return
+        if reading is not None:
+            sink.memory(reading)
 
     def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
         if clock.release_at is None and self._some_failed():

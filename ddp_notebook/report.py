@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .config import is_loopback
+from .limits import format_bytes
 from .output import tag_value
-from .results import CellResult, RankInfo, RankStatus
+from .results import CellResult, MemoryReading, RankInfo, RankStatus
 from .state import WorldState
 
 if TYPE_CHECKING:
@@ -80,12 +81,38 @@ def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f} MiB"
 
 
-def format_status(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
-    body = table(
-        ("rank", "state", "host", "pid", "device", "memory", "gpu memory"),
-        [(s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _mb(s.gpu_memory_mb)) for s in rows],
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
+
+
+def _gpu_mb(status: RankStatus) -> str:
+    if status.gpu_memory_mb is None or not status.gpu_memory_total_mb:
+        return _mb(status.gpu_memory_mb)
+    return f"{_mb(status.gpu_memory_mb)} of {format_bytes(status.gpu_memory_total_mb * 2**20)}"
+
+
+def format_memory(reading: MemoryReading) -> str:
+    """'memory: 1.2 GiB in use of the cgroup memory limit of 1.5 GiB (80%), the ranks 540 MiB of it'."""
+    ranks = sum(reading.rank_bytes.values())
+    return (
+        f"memory: {format_bytes(reading.used)} in use of {reading.limit_text} ({reading.fraction:.0%}), "
+        f"the ranks here {format_bytes(ranks)} of it"
     )
-    return f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}\n{body}"
+
+
+def format_status(world: DDPCluster, rows: Sequence[RankStatus], memory: MemoryReading | None = None) -> str:
+    """The %ddp_status table: each rank's state, where it runs, its memory and its share of the limit."""
+    body = table(
+        ("rank", "state", "host", "pid", "device", "memory", "of limit", "gpu memory"),
+        [
+            (s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _share(s.memory_fraction), _gpu_mb(s))
+            for s in rows
+        ],
+    )
+    lines = [f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}"]
+    if memory is not None:
+        lines.append(format_memory(memory))
+    return "\n".join([*lines, body])
 
 
 def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:

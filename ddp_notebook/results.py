@@ -38,6 +38,31 @@ class RankStatus:
     device: str
     memory_mb: float | None
     gpu_memory_mb: float | None
+    # the memory limit the rank runs under (its cgroup's, else the machine's), on this host only
+    memory_limit_mb: float | None = None
+    gpu_memory_total_mb: float | None = None
+
+    @property
+    def memory_fraction(self) -> float | None:
+        """The rank's resident memory as a fraction of its limit."""
+        if self.memory_mb is None or not self.memory_limit_mb:
+            return None
+        return self.memory_mb / self.memory_limit_mb
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """A world's memory on this host against the limit its ranks share, at one moment."""
+
+    rank_bytes: dict[int, int]  # resident memory of each rank on this host
+    used: int  # bytes in use under the limit: every process under it, the ranks among them
+    limit: int
+    limit_text: str  # "the cgroup memory limit of 1.5 GiB", "this machine's 23.5 GiB"
+    warning: str | None = None  # set on the reading that crossed the warning level
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.limit if self.limit else 0.0
 
 
 @dataclass

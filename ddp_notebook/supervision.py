@@ -6,19 +6,94 @@ answers come from the provisioner (processes), the controller link and the ranks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import rank_calls, stacks
+from . import limits, rank_calls, stacks
 from .controller import ControllerLink
+from .limits import MEMORY_REARM_FRACTION, MEMORY_WARN_FRACTION
 from .provisioning import Provisioner
-from .results import RankInfo
+from .results import MemoryReading, RankInfo
 
 log = logging.getLogger("ddp_notebook")
 RELEASE_SECONDS = 10.0
+
+
+class MemoryWatch:
+    """The memory of a world's ranks on this host against the limit they share.
+
+    The limit is the one their cgroup path or the machine reaches first (`limits`); the ranks
+    of a local world inherit the kernel's cgroup. `check` warns once each time the use
+    crosses MEMORY_WARN_FRACTION, naming the rank that grew most since it was first seen (or
+    since the use fell below MEMORY_REARM_FRACTION after the last warning). A reading costs a
+    few small /proc and cgroup files.
+    """
+
+    def __init__(self, platform: limits.Platform | None = None, warn_at: float = MEMORY_WARN_FRACTION) -> None:
+        self.platform = platform or limits.Platform()
+        self.warn_at = warn_at
+        self._chains: dict[int, list[limits.Cgroup]] = {}  # by the PID they were read for
+        self._baseline: dict[int, int] = {}  # rank -> resident bytes growth is counted from
+        self._armed = True
+
+    def read(self, infos: list[RankInfo]) -> MemoryReading | None:
+        """The ranks' memory now; None where no rank runs here or nothing can be read."""
+        here = socket.gethostname()
+        local = [info for info in infos if info.host == here]
+        if not local:
+            return None
+        pid = local[0].pid
+        chain = self._chains.get(pid)
+        if chain is None:
+            # a local world's ranks run in the kernel's cgroup, unless moved: read theirs once
+            chain = self.platform.cgroups("memory", pid) or self.platform.cgroups("memory")
+            if chain:
+                self._chains[pid] = chain
+        limit = self.platform.memory_limit(pid, chain)
+        if limit is None or not limit.limit:
+            return None
+        rank_bytes = {}
+        for info in local:
+            resident = self.platform.resident_bytes(info.pid)
+            if resident is not None:
+                rank_bytes[info.rank] = resident
+        return MemoryReading(rank_bytes, limit.used, limit.limit, limit.describe())
+
+    def check(self, infos: list[RankInfo]) -> MemoryReading | None:
+        """A reading, with a warning on it when it crossed the warning level."""
+        reading = self.read(infos)
+        if reading is None:
+            return None
+        for rank, resident in reading.rank_bytes.items():
+            self._baseline.setdefault(rank, resident)
+        if reading.fraction < MEMORY_REARM_FRACTION:
+            if not self._armed:  # the last warning is over: growth counts afresh from here
+                self._armed = True
+                self._baseline = dict(reading.rank_bytes)
+            return reading
+        if reading.fraction < self.warn_at or not self._armed:
+            return reading
+        self._armed = False
+        return dataclasses.replace(reading, warning=self._warning(reading))
+
+    def _warning(self, reading: MemoryReading) -> str:
+        text = (
+            f"warning: memory is {reading.fraction:.0%} full ({limits.format_bytes(reading.used)} "
+            f"of {reading.limit_text})"
+        )
+        grown = {rank: now - self._baseline.get(rank, now) for rank, now in reading.rank_bytes.items()}
+        if grown:
+            rank = max(grown, key=lambda r: (grown[r], reading.rank_bytes[r]))
+            size = limits.format_bytes(reading.rank_bytes[rank])
+            if grown[rank] > 0:
+                text += f"; rank {rank} grew most (+{limits.format_bytes(grown[rank])}, now {size})"
+            else:
+                text += f"; the largest rank is rank {rank} ({size})"
+        return text + "; at 100% the out-of-memory killer ends the largest process"
 
 
 class WorldSupervisor:
@@ -35,6 +110,7 @@ class WorldSupervisor:
         self.controller = controller
         self._ranks = ranks  # the current rank map (it changes when the world heals)
         self.stack_dir = stack_dir
+        self.memory = MemoryWatch()
 
     def _infos(self, ranks: tuple[int, ...]) -> list[RankInfo]:
         current = self._ranks()
@@ -48,6 +124,10 @@ class WorldSupervisor:
         if lost is not None:
             return {rank: f"cannot be reached: {lost}" for rank in ranks}
         return self.provisioner.dead_ranks(self._infos(ranks))
+
+    def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
+        """The memory of `ranks` on this host against their limit, warning once per crossing."""
+        return self.memory.check(self._infos(ranks))
 
     def where_stuck(self, ranks: tuple[int, ...]) -> str:
         """One line per rank on this host saying where its main thread is (works while it is blocked)."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from .channel import BarState, Feed, RankState, View
+from .limits import MEMORY_WARN_FRACTION, format_bytes
 
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its
 # last one), so each redraw stays small; the final drawing has every point
@@ -303,7 +304,9 @@ class LiveView:
             state += f" after {feed.elapsed:.1f} s"
         lost = sum(rank.lost for rank in feed.ranks.values())
         warning = f" · <b>{lost} updates were lost</b>" if lost else ""
-        self.header.value = f"<b>ddp_notebook</b> · ranks {ranks} · {state} · {len(feed.metrics)} points{warning}"
+        self.header.value = (
+            f"<b>ddp_notebook</b> · ranks {ranks} · {state} · {len(feed.metrics)} points{memory_header(feed)}{warning}"
+        )
 
     def _draw_bars(self, feed: Feed) -> None:
         added = False
@@ -409,9 +412,30 @@ def axes_layout(names: Sequence[str]) -> dict[str, Any]:
     return layout
 
 
+def memory_header(feed: Feed) -> str:
+    """' · memory 42% of this machine's 23.5 GiB', bold red from the warning level on."""
+    reading = feed.memory_reading
+    if reading is None:
+        return ""
+    text = html.escape(f"memory {reading.fraction:.0%} of {reading.limit_text}")
+    if reading.fraction >= MEMORY_WARN_FRACTION:
+        text = f'<b style="color:{STATE_COLORS["failed"]}">{text}</b>'
+    return f" · {text}"
+
+
+def rank_memory(feed: Feed, rank: int) -> str:
+    """'270 MiB (18%)': a rank's resident memory and its share of the limit."""
+    reading = feed.memory_reading
+    resident = reading.rank_bytes.get(rank) if reading is not None else None
+    if reading is None or resident is None:
+        return "-"
+    return f"{format_bytes(resident)} ({resident / reading.limit:.0%})"
+
+
 def status_table(feed: Feed) -> str:
     names = feed.metrics.names
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["rank", "state", "steps", "steps/s", "time", *names])
+    memory = ["memory"] if feed.memory_reading is not None else []
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ["rank", "state", "steps", "steps/s", "time", *memory, *names])
     rows = []
     for rank in sorted(feed.ranks):
         state: RankState = feed.ranks[rank]
@@ -422,6 +446,7 @@ def status_table(feed: Feed) -> str:
             f"{state.steps}",
             "-" if state.rate is None else f"{state.rate:.1f}",
             f"{state.t:.1f} s",
+            *([rank_memory(feed, rank)] if memory else []),
             *(format_value(state.last.get(name)) for name in names),
         ]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")

@@ -45,6 +45,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from ddp_notebook import devices
+
 pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,13 +361,13 @@ def test_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
         ranks = [p for p in result["processes"] if p["role"] == "rank"]
         assert kernels and all(p["argv0"] == python_of_venv for p in kernels), f"kernel not the venv's: {kernels}"
         assert all(p["argv0"] == python_of_venv for p in ranks), f"ranks not the venv's: {ranks}"
-        if result["name"] == "01_quickstart.ipynb":
+        if result["name"] == "01_quickstart.ipynb":  # others may set the threads themselves (%env)
             assert len(ranks) == 2, f"the quick start runs 2 ranks (Binder has 1-2 cores): {ranks}"
-        if start.exists():
-            # binder/start sets the threads per rank (a share of Binder's 1-2 cores, not of the node's)
-            assert kernels[0]["omp"], "binder/start's OMP_NUM_THREADS did not reach the kernel"
-            if result["name"] == "01_quickstart.ipynb":  # others may set it themselves (%env)
-                assert all(p["omp"] == kernels[0]["omp"] for p in ranks), result["processes"]
+            # nothing sets OMP_NUM_THREADS: each rank gets its share of the cores the CPU quota
+            # allows (Binder's 1-2), not of the node's
+            assert not kernels[0]["omp"], "the kernel should start without OMP_NUM_THREADS"
+            threads = str(max(1, devices.usable_cpus() // 2))
+            assert all(p["omp"] == threads for p in ranks), result["processes"]
     for result in ran:
         assert "stopped the world" in result["output"], f"{result['name']} should end with %ddp_stop"
         assert result["peak_memory_mb"] < MEMORY_LIMIT_MB, f"{result['name']} needs more memory than Binder has"

@@ -14,6 +14,7 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "visible_gpus", lambda: ())
     monkeypatch.setattr(devices, "usable_cpus", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(devices, "memory_limit", lambda: None)  # this machine's memory plays no part here
 
 
 @pytest.fixture
@@ -21,6 +22,7 @@ def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "visible_gpus", lambda: ("0", "1", "2", "3"))
     monkeypatch.setattr(devices, "usable_cpus", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(devices, "memory_limit", lambda: None)  # this machine's memory plays no part here
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "two", "2.5", ""])

@@ -51,6 +51,11 @@ def run(shell: object, source: str) -> object:
         ("%ddp_attach /nonexistent/ipcontroller-client.json", "no cluster connection file at /nonexistent"),
         ("%ddp_attach --profile /nonexistent-profile --cluster-id c1", "ipcontroller-c1-client.json: is the cluster"),
         ("%ddp_attach -n two", "'two' is not a number of ranks"),
+        # worlds that cannot fit this machine (cores or memory), GPUs it does not have
+        ("%ddp_start 100 --backend gloo", "100 CPU ranks do not fit here"),
+        ("%ddp_start 2 --gpus 98,99 --backend gloo", "visible"),
+        # --force reaches the checks: past the fit, the next one speaks
+        ("%ddp_start 100 --backend gloo --force --timeout 0", "timeout must be a number of seconds"),
     ],
 )
 def test_misuse_is_one_clear_line_and_starts_nothing(

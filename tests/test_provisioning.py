@@ -35,6 +35,7 @@ def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "visible_gpus", lambda: ())
     monkeypatch.setattr(devices, "usable_cpus", lambda: 4)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(devices, "memory_limit", lambda: None)  # this machine's memory plays no part here
 
 
 def _info(rank: int, pid: int, engine_id: int, host: str = "") -> RankInfo:

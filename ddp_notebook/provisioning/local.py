@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from .. import devices, layout, network, processes, template
+from .. import devices, layout, limits, network, processes, template
 from ..config import WorldConfig
 from ..errors import StartError
 from ..processes import SLOT_ENV
@@ -17,6 +18,8 @@ from ..results import RankInfo
 from .controlled import ControlledProvisioner, launched_pids
 
 log = logging.getLogger("ddp_notebook")
+# how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
+EXIT_REPORT_SECONDS = 2.0
 
 
 def engine_set_id(slot: int) -> str:
@@ -36,8 +39,13 @@ class LocalProvisioner(ControlledProvisioner):
         self.template = warm if self.cold_reason is None and warm is not None and warm.alive else None
         if warm is not None and self.template is None:
             warm.stop()
+        # the out-of-memory kills counted so far where the ranks will run (they inherit this
+        # process's cgroup): a rank found killed later is named for what killed it
+        self.platform = limits.Platform()
+        self.oom_before: limits.OomCounts | None = None
 
     def start(self) -> Any:
+        self.oom_before = self.platform.oom_counts()
         options: dict[str, Any] = {}
         if self.cold_reason is None:
             from .fork import ForkEngineSetLauncher
@@ -127,6 +135,11 @@ class LocalProvisioner(ControlledProvisioner):
         if self.template is not None:  # the ranks' parent knows how each one ended
             engine_set = self.cluster.engines.get(engine_set_id) if self.cluster is not None else None
             launchers = getattr(engine_set, "launchers", None) or {}
+            if pid is not None and pid not in self.template.exits and not processes.pid_alive(pid):
+                # gone: the template reaps it and says how within a moment (longer when memory is short)
+                deadline = time.monotonic() + EXIT_REPORT_SECONDS
+                while pid not in self.template.exits and time.monotonic() < deadline:
+                    time.sleep(0.02)
             for candidate in [pid] if pid is not None else [launcher.pid for launcher in launchers.values()]:
                 if candidate in self.template.exits:
                     launcher_logs = [getattr(launcher, "output_file", "") for launcher in launchers.values()]
@@ -151,7 +164,9 @@ class LocalProvisioner(ControlledProvisioner):
         for info in ranks:
             found = self.exit_of(engine_set_id(info.rank), info.pid)
             if found is not None:
-                dead[info.rank] = processes.describe_exit(found[0])
+                before = self.oom_before
+                oom = self.platform.oom_since(before) if before is not None and found[0] == -signal.SIGKILL else None
+                dead[info.rank] = processes.describe_exit(found[0], oom)
         return dead
 
     def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
