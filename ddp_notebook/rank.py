@@ -333,6 +333,21 @@ def _publish_names(context: RankContext) -> None:
         dist=dist,
         ddp_notebook=ddp_notebook,
     )
+    if _keep_interruptible not in shell.events.callbacks["post_run_cell"]:
+        shell.events.register("post_run_cell", _keep_interruptible)
+
+
+def _keep_interruptible(*_: Any) -> None:
+    """After each cell: SIGINT raises KeyboardInterrupt again, whatever the cell did to it.
+
+    Interrupting a cell (the stop button, a timeout) is a SIGINT to the rank. Some libraries
+    ignore SIGINT once they have caught one (Lightning's Trainer does, to exit cleanly), which
+    would leave every later interrupt of this rank unanswered.
+    """
+    import signal
+
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def shutdown_world() -> None:

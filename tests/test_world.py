@@ -171,3 +171,14 @@ def test_calls_on_a_stopped_world_say_how_to_start() -> None:
     with pytest.raises(NotRunningError, match="start one first"):
         idle.execute("x = 1")
     assert idle.stop() is False
+
+
+def test_a_cell_that_ignores_interrupts_leaves_the_rank_interruptible(world: DDPCluster) -> None:
+    # as Lightning's Trainer does once it caught a KeyboardInterrupt
+    world.execute("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)")
+    handlers = world.execute("signal.getsignal(signal.SIGINT) is signal.default_int_handler", stream=False)
+    assert handlers.values == {0: {"text/plain": "True"}, 1: {"text/plain": "True"}}
+    began = time.monotonic()
+    with pytest.raises(CellTimeoutError):
+        world.execute("import time\ntime.sleep(30)", timeout=1)
+    assert time.monotonic() - began < 10  # the interrupt reached both ranks
