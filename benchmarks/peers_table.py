@@ -29,6 +29,8 @@ def cell_of(report: dict[str, Any], name: str, text: Any) -> str:
 def case_text(out: dict[str, Any] | None, cap: float) -> str:
     if out is None:
         return "-"
+    if "error" in out:
+        return f"failed ({out['failed']} of {out['of']}): {out['error'][:80]}"
     message = "none" if out["message_s"] is None else seconds(out["message_s"])
     returned = f"hang (> {cap:g} s)" if out["returned_s"] is None else seconds(out["returned_s"])
     then = out["recovery"]
@@ -65,7 +67,7 @@ def markdown(reports: dict[str, dict[str, Any]], args: Any, info: dict[str, Any]
                 trip,
                 name,
                 lambda x: (
-                    f"{x['ms']['median']:.0f} ms"
+                    f"{x['ms']['median']:.3g} ms"
                     + (f" (× {x['reference']}: {x['ratio']['median']:.2f})" if x["ratio"] else "")
                 ),
             ),
@@ -100,8 +102,8 @@ def markdown(reports: dict[str, dict[str, Any]], args: Any, info: dict[str, Any]
             cell_of(fail, name, lambda x, case=case: case_text(x.get(case), cap))
             for case in ("raise", "hang", "interrupt", "death")
         ]
-        notes = trip["subjects"].get(name, {}).get("notes", {}) if trip else {}
-        row += [notes.get("state") or cell_of(trip, name, str), notes.get("tagging") or cell_of(trip, name, str)]
+        probes = trip["subjects"].get(name, {}).get("notes", {}) if trip else {}
+        row += [probes.get("state") or cell_of(trip, name, str), probes.get("tagging") or cell_of(trip, name, str)]
         out.append(f"| {SUBJECTS[name].label} | " + " | ".join(row) + " |")
     out += ["", *notes(reports, names), "", "How each figure is taken: [benchmarks/README.md](../README.md)."]
     return "\n".join(out) + "\n"
@@ -120,6 +122,8 @@ def notes(reports: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
             )
     for name in names:
         for case, out in ((fail or {}).get("summary", {}).get(name) or {}).items():
+            if "error" in out:
+                continue
             said = f"`{out['said']}`" if out["said"] else "(nothing)"
             extra = f"; the next cell showed `{out['recovery_said']}`" if out.get("recovery_said") else ""
             lines.append(f"- {SUBJECTS[name].label}, {case}: first message {said}{extra}.")

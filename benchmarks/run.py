@@ -26,7 +26,7 @@ CASES = ("raise", "hang", "interrupt", "death")
 DEFAULTS = {
     "warmup": {"roundtrip": 20, "training": 30, "logging": 30},
     "steps": {"training": 500},
-    "peers": {"steps": 100, "cells": 10},
+    "peers": {"steps": 100},
 }
 
 
@@ -78,7 +78,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from ddp_notebook import DDPCluster, network
 
     try:  # the threads ddp_notebook gives a rank are torchrun's too, unless told otherwise
-        chosen = DDPCluster(args.ranks, backend=args.backend).config.threads_per_rank
+        chosen = DDPCluster(args.ranks, backend=args.backend, force=True).config.threads_per_rank
     except Exception as failure:  # noqa: BLE001  (any refusal is the user's to read)
         parser.error(f"ddp_notebook refuses {args.ranks} {args.backend} ranks here: {failure}")
     if args.threads == "default":

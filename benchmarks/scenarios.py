@@ -29,7 +29,7 @@ FAIL_AFTER = 0.5  # seconds into a failing cell; the other ranks are in a collec
 INTERRUPT_AT = 1.5  # seconds into a hung cell, the stop button
 # the ratio each subject is shown against, where that subject runs too
 SAME_PATH = {"ddp_notebook": "ipyparallel", "ddp_kernel": "px_kernel", "nbdistributed": "px_kernel"}
-SAME_PATH |= {"accelerate": "px_kernel"}
+SAME_PATH |= {"accelerate": "px_kernel", "ddp_notebook_cold": "ddp_notebook"}
 
 # ---------------------------------------------------------------- code run on the ranks (sees `rank`)
 
@@ -77,13 +77,14 @@ RANK_TAG = re.compile(r"\[(?:rank |stdout:|stderr:|default)(\d+)\]|\[(\d+):\w+\]
 FAILURE_WORDS = re.compile(r"Error|error|Traceback|Timeout|timed out|failed|FAILED|interrupted|Interrupt|killed")
 WORKLOAD = f"import json, sys\nsys.path.insert(0, {str(BENCH_DIR)!r})\nimport train_workload\n"
 HEALED = re.compile(r"set up again in ([\d.]+) s")  # what ddp_notebook tells the user after a heal
+UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 GLOG_PREFIX = re.compile(r"^[EWIF]\d{4} [\d:.]+ \d+ \S+\] |^\[/\S+:\d+\] ")
 
 
 def first_line(text: str) -> str:
     """The first line that reports a failure, without log prefixes, shortened."""
     for line in text.splitlines():
-        line = " ".join(GLOG_PREFIX.sub("", line).split())
+        line = " ".join(GLOG_PREFIX.sub("", UUID.sub("<id>", line)).split())
         if FAILURE_WORDS.search(line):
             return line if len(line) <= 110 else line[:107] + "..."
     return ""
@@ -423,10 +424,18 @@ class Failures(Scenario):
         return None
 
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
-        return {"cases": {case: self.case(subject, case, run) for case in run.s.cases}}
+        cases = {}
+        for case in run.s.cases:
+            try:
+                cases[case] = self.case(subject, case, run)
+            except Exception as failure:  # noqa: BLE001  (one case failing must not lose the others)
+                traceback.print_exc()
+                cases[case] = {"error": f"{type(failure).__name__}: {failure}"}
+                run.reopen(subject)  # a fresh world for the next case
+        return {"cases": cases}
 
     def brief(self, sample: dict[str, Any]) -> str:
-        return "; ".join(f"{case} {fmt(out['message_s'])} s" for case, out in sample["cases"].items())
+        return "; ".join(f"{case} {fmt(out.get('message_s', 'failed'))} s" for case, out in sample["cases"].items())
 
     def case(self, subject: Subject, case: str, run: Run) -> dict[str, Any]:
         s, model = run.s, subject.model_idiom.format("torch.nn.Linear(32, 4)")
@@ -490,7 +499,11 @@ class Failures(Scenario):
         rows = []
         for name, entry in results.items():
             for case in s.cases:
-                outs = [x["cases"][case] for x in entry["samples"] if case in x["cases"]]
+                outs = [x["cases"][case] for x in entry["samples"] if "error" not in x["cases"].get(case, {"error": 1})]
+                errors = [x["cases"][case]["error"] for x in entry["samples"] if "error" in x["cases"].get(case, {})]
+                if errors:
+                    summary[name][case] = {"error": errors[0], "failed": len(errors), "of": len(entry["samples"])}
+                    rows.append([f"{name} {case}", "", "", "", f"failed: {errors[0][:60]}", "", "", ""])
                 if not outs:
                     continue
                 got = {k: [o[k] for o in outs if o.get(k) is not None] for k in ("message_s", "returned_s", "heal_s")}

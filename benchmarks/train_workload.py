@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--serve", type=Path, metavar="DIR", help="train once per DIR/go-<n>.json until DIR/stop")
     parser.add_argument("--exec", type=Path, metavar="FILE", dest="code", help="run FILE's code on every rank")
     args = parser.parse_args()
+    if args.backend == "nccl":  # each rank on its own GPU before the first collective (cuda:LOCAL_RANK)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(args.backend, timeout=COLLECTIVE_TIMEOUT)
     if args.code is not None:
         # a script: an exception ends the job, as it would end the user's
