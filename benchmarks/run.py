@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness import RESULTS, exit_on_sigterm, machine_info, warm_file_cache, write_json
 from scenarios import SCENARIOS, Run, drive
-from subjects import SUBJECTS
+from subjects import SUBJECTS, world
 
 CASES = ("raise", "hang", "interrupt", "death")
 # settings whose default depends on the scenario (and on `peers`, shorter runs of more subjects)
@@ -75,10 +75,10 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--cases: unknown {', '.join(sorted(unknown))} (choose from {', '.join(CASES)})")
     if args.subjects and (unknown := set(args.subjects.split(",")) - set(SUBJECTS)):
         parser.error(f"--subjects: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SUBJECTS)})")
-    from ddp_notebook import DDPCluster, network
+    from ddp_notebook import network
 
     try:  # the threads ddp_notebook gives a rank are torchrun's too, unless told otherwise
-        chosen = DDPCluster(args.ranks, backend=args.backend, force=True).config.threads_per_rank
+        chosen = world(args.ranks, args.backend, force=True).config.threads_per_rank
     except Exception as failure:  # noqa: BLE001  (any refusal is the user's to read)
         parser.error(f"ddp_notebook refuses {args.ranks} {args.backend} ranks here: {failure}")
     if args.threads == "default":

@@ -8,6 +8,7 @@ notebook drives it, so each figure is what their user sees.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import queue
@@ -115,6 +116,16 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def world(ranks: int, backend: str, **options: Any) -> Any:
+    """A DDPCluster, with those `options` this version of ddp_notebook has (an older one lacks some)."""
+    from ddp_notebook import DDPCluster
+
+    known = inspect.signature(DDPCluster).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in known.values()):
+        options = {k: v for k, v in options.items() if k in known}
+    return DDPCluster(ranks, backend=backend, **options)
 
 
 def tagged(per_rank: dict[int, str]) -> str:
@@ -225,9 +236,7 @@ class DDPClusterSubject(InProcess):
     world_options: dict[str, Any] = {"force": True}  # noqa: RUF012
 
     def open(self) -> dict[str, Any]:
-        from ddp_notebook import DDPCluster
-
-        self.world = DDPCluster(self.s.ranks, backend=self.s.backend, **self.world_options)
+        self.world = world(self.s.ranks, self.s.backend, **self.world_options)
         began = time.perf_counter()
         self.world.start()
         ready = time.perf_counter() - began
@@ -263,6 +272,16 @@ class DDPClusterColdSubject(DDPClusterSubject):
     name = "ddp_notebook_cold"
     label = "ddp_notebook `DDPCluster`, ranks as fresh interpreters (--no-warm-start)"
     world_options = {"force": True, "warm_start": False}  # noqa: RUF012
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        from ddp_notebook import DDPCluster
+
+        try:
+            DDPCluster(1, backend="gloo", warm_start=False)  # checks its options, starts nothing
+        except TypeError:
+            return "this ddp_notebook has no warm start to turn off"
+        return None
 
 
 class DirectViewSubject(InProcess):
