@@ -58,7 +58,7 @@ class TemplateClient:
         self._connection: socket.socket | None = None
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._request_lock = threading.Lock()  # one request and its reply at a time
-        self._exit_lock = threading.Lock()  # the exit record and its callbacks
+        self._exit_lock = threading.Condition()  # the exit record and its callbacks; notified on each exit
         self.exits: dict[int, int] = {}
         self._on_exit: dict[int, Callable[[int], None]] = {}
 
@@ -118,6 +118,12 @@ class TemplateClient:
             raise RuntimeError(f"the rank template refused: {reply.get('error')}")
         return int(reply["pid"])
 
+    def exit_code(self, pid: int, wait: float = 0.0) -> int | None:
+        """How `pid` ended, waiting up to `wait` seconds for the template's report; None if not reported."""
+        with self._exit_lock:
+            self._exit_lock.wait_for(lambda: pid in self.exits, timeout=wait)
+            return self.exits.get(pid)
+
     def on_exit(self, pid: int, callback: Callable[[int], None]) -> None:
         """Call `callback(exit code)` (on a helper thread) once `pid` has ended."""
         with self._exit_lock:
@@ -144,6 +150,7 @@ class TemplateClient:
                     with self._exit_lock:
                         self.exits[pid] = code
                         callback = self._on_exit.pop(pid, None)
+                        self._exit_lock.notify_all()
                     if callback is not None:
                         callback(code)
                 else:

@@ -25,25 +25,19 @@ import pytest
 import torch
 
 from ddp_notebook import DDPCluster
+from tests import test_ddp_correctness as correctness
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.gpu
 
 RESULTS_ENV = "DDP_NOTEBOOK_GPU_RESULTS"
 MAX_RANKS = 8
-STEPS, BATCH_PER_RANK, LR = 5, 8, 0.1
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
-MODEL_CODE = """
-import torch
-def make_model(seed=1234):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-def make_data(steps, global_batch):
-    g = torch.Generator().manual_seed(99)
-    return torch.randn(steps * global_batch, 6, generator=g), torch.randint(0, 3, (steps * global_batch,), generator=g)
-
+# the CPU correctness test's model, data and settings, with helpers the GPU cells use
+MODEL_CODE = (
+    correctness.MODEL_CODE
+    + """
 def my_rows(step):
     # this rank's share of the step's global batch: together, the ranks' rows are the whole batch
     start = step * BATCH * world_size + rank * BATCH
@@ -56,6 +50,8 @@ def gathered_equal(module):
     dist.all_gather(everyone, flat)
     return all(torch.equal(other, everyone[0]) for other in everyone)
 """
+)
+STEPS, BATCH_PER_RANK, LR = correctness.STEPS, correctness.BATCH_PER_RANK, correctness.LR
 
 # each rank: where it runs, as CUDA and the environment describe it
 PLACEMENT_CODE = """
@@ -275,18 +271,7 @@ def test_ddp_on_nccl_matches_one_process_on_the_combined_batch(gpu_world: DDPClu
 
 def reference_parameters(world_size: int) -> dict[str, torch.Tensor]:
     """One process on the CPU (no CUDA context in the test process), global batch = all ranks' batches."""
-    scope: dict[str, Any] = {}
-    exec(MODEL_CODE, scope)
-    model = scope["make_model"]()
-    global_batch = BATCH_PER_RANK * world_size
-    x, y = scope["make_data"](STEPS, global_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        rows = slice(step * global_batch, (step + 1) * global_batch)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
-        optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return correctness.train_single_process(STEPS, BATCH_PER_RANK * world_size)
 
 
 def test_no_rank_holds_a_context_on_another_ranks_gpu(gpu_world: DDPCluster) -> None:

@@ -135,15 +135,13 @@ class LocalProvisioner(ControlledProvisioner):
         if self.template is not None:  # the ranks' parent knows how each one ended
             engine_set = self.cluster.engines.get(engine_set_id) if self.cluster is not None else None
             launchers = getattr(engine_set, "launchers", None) or {}
-            if pid is not None and pid not in self.template.exits and not processes.pid_alive(pid):
-                # gone: the template reaps it and says how within a moment (longer when memory is short)
-                deadline = time.monotonic() + EXIT_REPORT_SECONDS
-                while pid not in self.template.exits and time.monotonic() < deadline:
-                    time.sleep(0.02)
+            # a rank found gone: the template reaps it and says how within a moment (longer when memory is short)
+            wait = EXIT_REPORT_SECONDS if pid is not None and not processes.pid_alive(pid) else 0.0
             for candidate in [pid] if pid is not None else [launcher.pid for launcher in launchers.values()]:
-                if candidate in self.template.exits:
+                code = self.template.exit_code(candidate, wait)
+                if code is not None:
                     launcher_logs = [getattr(launcher, "output_file", "") for launcher in launchers.values()]
-                    return self.template.exits[candidate], launcher_logs[0] if launcher_logs else ""
+                    return code, launcher_logs[0] if launcher_logs else ""
         return super().exit_of(engine_set_id, pid)
 
     def start_failure(self) -> str | None:
