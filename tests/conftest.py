@@ -61,10 +61,9 @@ def owned_pids(owner: int | None = None) -> set[int]:
     return found
 
 
-@pytest.fixture(scope="session")
-def world() -> Iterator[DDPCluster]:
-    """A 2-rank gloo world shared by tests that do not need their own."""
-    cluster = DDPCluster(2, backend="gloo", timeout=60)
+def shared_world(n_ranks: int) -> Iterator[DDPCluster]:
+    """Body of a fixture yielding a running n-rank gloo world; nothing of it may outlive its stop()."""
+    cluster = DDPCluster(n_ranks, backend="gloo", timeout=60)
     cluster.start()
     pids = cluster.all_pids
     try:
@@ -72,6 +71,12 @@ def world() -> Iterator[DDPCluster]:
     finally:
         cluster.stop()
         assert wait_gone(pids) == [], "processes of the shared world outlived stop()"
+
+
+@pytest.fixture(scope="session")
+def world() -> Iterator[DDPCluster]:
+    """A 2-rank gloo world shared by tests that do not need their own."""
+    yield from shared_world(2)
 
 
 @pytest.fixture

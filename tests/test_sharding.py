@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_notebook import DDPCluster, RankError
-from tests.conftest import wait_gone
+from tests.conftest import shared_world
 
 pytestmark = pytest.mark.integration
 
@@ -71,14 +71,7 @@ def test_shard_model_shards_each_block_then_the_root_and_matches_one_process(wor
 
 @pytest.fixture(scope="module")
 def three_ranks() -> Iterator[DDPCluster]:
-    cluster = DDPCluster(3, backend="gloo", timeout=60)
-    cluster.start()
-    pids = cluster.all_pids
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-        assert wait_gone(pids) == []
+    yield from shared_world(3)
 
 
 def test_a_checkpoint_saved_on_2_ranks_loads_on_3_and_in_one_process(
