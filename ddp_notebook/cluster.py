@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, devices, export, forming, limits, provisioning, rank_calls
+from . import channel, config, devices, export, forming, limits, provisioning, rank_calls, xray
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
 from .errors import DDPError, DDPUsageError, NotRunningError, StartError, WorldBrokenError, one_line
@@ -344,6 +344,7 @@ class DDPCluster:
             timeout=timeout,
             stuck_report=relay.stuck_report,
             heal_note=heal_note,
+            mismatch=relay.mismatch,
         )
         self._record_cell(code, targets, outcome.ok)
         return outcome
@@ -409,6 +410,13 @@ class DDPCluster:
         self._require_running()
         assert self._supervisor is not None
         return self._supervisor.where_stuck(self._select(ranks))
+
+    def collectives(self, ranks: Iterable[int] | str | None = None) -> dict[int, xray.RankCollectives]:
+        """Collective X-ray of the ranks on this host: the last collectives each one ran and the one it
+        waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
+        self._require_running()
+        assert self._supervisor is not None
+        return self._supervisor.collectives(self._select(ranks))
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
         """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import config, export, launchers
+from . import config, export, launchers, xray
 from .channel import Feed, Metrics, Recorder
 from .cluster import DDPCluster
 from .config import WorldConfig
@@ -293,6 +293,9 @@ class DDPMagics(Magics):
             raise DDPUsageError(f"%ddp_status takes no arguments, got '{line.strip()}'")
         world = self._running_world()
         print(format_status(world, world.status(), world.memory()))
+        readings = world.collectives()
+        if readings:
+            print("collectives (torch's flight recorder):\n" + xray.describe_world(readings))
 
     @magic_arguments()
     @argument("path", nargs="?", default=None, help="the script to write, e.g. train.py")

@@ -14,6 +14,7 @@ from enum import Enum
 
 from .errors import CellInterruptedError, CellTimeoutError, DDPError, RankDiedError, RankError, RankFailure
 from .results import CellResult
+from .xray import CollectiveMismatchError, Mismatch
 
 # errors that mean the process group itself is broken and must be set up again
 _COLLECTIVE_ERROR = re.compile(
@@ -47,6 +48,7 @@ class CellOutcome:
     timeout: float | None = None
     stuck_report: str = ""  # where each rank was when the time limit struck
     heal_note: str = ""  # what became of the process group, when the cell broke it
+    mismatch: Mismatch | None = None  # ranks blocked in collectives that could never match
 
     @property
     def ok(self) -> bool:
@@ -68,6 +70,8 @@ class CellOutcome:
         if self.ending is Ending.TIMEOUT:
             assert self.timeout is not None
             return CellTimeoutError(self.timeout, self.unfinished, self.stuck_report + self.heal_note)
+        if self.mismatch is not None and not self.dead:
+            return CollectiveMismatchError(self.mismatch, self.failures, self.heal_note)
         if self.dead:
             return RankDiedError(dict(self.dead), list(self.failures))
         if self.failures:

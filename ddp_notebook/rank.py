@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import devices, layout
+from . import devices, layout, xray_rank
 from .network import listen
 
 
@@ -101,6 +101,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda" and spec["backend"] == "nccl":
         # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
         init_kwargs["device_id"] = device
+    xray_rank.before_group()
     dist.init_process_group(
         spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
     )
@@ -125,6 +126,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         from .stacks import enable_stack_dumps
 
         enable_stack_dumps(spec["stack_dir"], rank)
+        xray_rank.serve(spec["stack_dir"], rank)
         _state["stack_dumps"] = True
     return {
         "device": str(device),

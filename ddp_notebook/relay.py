@@ -21,6 +21,7 @@ from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
 from .output import LineAssembler, tag_lines
 from .results import CellResult, MemoryReading
+from .xray import Mismatch, MismatchWatch, RankCollectives
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0
@@ -35,6 +36,8 @@ DEATH_GRACE_SECONDS = 3.0
 # after a rank failed (or the ranks were interrupted), how long the others may keep running
 # before the finished ranks let go of the process group, releasing peers blocked in it
 RELEASE_AFTER_SECONDS = 1.0
+# once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
+COLLECTIVES_CHECK_SECONDS = 0.5
 
 
 class CellSupervisor(Protocol):
@@ -55,6 +58,12 @@ class CellSupervisor(Protocol):
     def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
         """The memory of `ranks` against their limit; with a warning when it crossed the warning level."""
 
+    def collectives(self, ranks: tuple[int, ...]) -> dict[int, RankCollectives]:
+        """What `ranks` say about the collectives they ran and wait in."""
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks` fail out of the collective they are blocked in."""
+
 
 @dataclass
 class _WaitClock:
@@ -68,10 +77,12 @@ class _WaitClock:
     release_at: float | None = None  # set once some ranks finished badly while others run
     next_death_check: float = 0.0
     next_memory_check: float = 0.0
+    next_collectives_check: float = 0.0
 
     def __post_init__(self) -> None:
         self.next_death_check = self.began + DEATH_CHECK_SECONDS
         self.next_memory_check = self.began + MEMORY_CHECK_SECONDS
+        self.next_collectives_check = self.began + COLLECTIVES_CHECK_SECONDS
 
 
 class OutputSink:
@@ -144,6 +155,8 @@ class CellRelay:
         self.dead: dict[int, str] = {}
         self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
+        self.mismatch: Mismatch | None = None  # ranks found in collectives that can never match
+        self._mismatch_watch = MismatchWatch()
 
     def attach(self, async_result: Any) -> None:
         """Start relaying `async_result`'s messages; call right after sending the cell.
@@ -208,6 +221,7 @@ class CellRelay:
                 if self._step(clock, supervisor):
                     break
                 self._watch_memory(clock, supervisor, sink)
+                self._watch_collectives(clock, supervisor)
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -260,6 +274,24 @@ class CellRelay:
             return
         if reading is not None:
             sink.memory(reading)
+
+    def _watch_collectives(self, clock: _WaitClock, supervisor: CellSupervisor) -> None:
+        """Catch ranks blocked in collectives that can never match, and release them."""
+        now = time.monotonic()
+        if now < clock.next_collectives_check or self.mismatch or self.dead or clock.stop_at is not None:
+            return
+        clock.next_collectives_check = now + COLLECTIVES_CHECK_SECONDS
+        running = self.unfinished()
+        if not running or self._some_failed():
+            return  # a failed rank is released by _maybe_release
+        try:
+            readings = supervisor.collectives(self._ranks)
+        except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
+            return
+        self.mismatch = self._mismatch_watch.check(readings, self._finished(), now)
+        if self.mismatch is not None:
+            supervisor.release_blocked(self.mismatch.blocked)
+            clock.stop_at = time.monotonic() + DEATH_GRACE_SECONDS
 
     def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
         if clock.release_at is None and self._some_failed():

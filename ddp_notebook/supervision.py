@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import limits, rank_calls, stacks
+from . import limits, rank_calls, stacks, xray
 from .controller import ControllerLink
 from .limits import MEMORY_REARM_FRACTION, MEMORY_WARN_FRACTION
 from .provisioning import Provisioner
@@ -136,11 +136,28 @@ class WorldSupervisor:
         if not infos or self.stack_dir is None:
             return ""
         dumps = stacks.request_stacks({r: info.pid for r, info in infos.items()}, self.stack_dir)
+        readings = xray.read_ranks(self.stack_dir, infos)
         lines = []
         for rank, info in infos.items():
             frames = stacks.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
-            lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames)}")
+            reading = readings.get(rank)
+            current = reading.current if reading is not None else None
+            seen = f"; {current.describe()} for {reading.waited:.1f} s" if reading and current else ""
+            lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames)}{seen}")
         return "\n".join(lines)
+
+    def collectives(self, ranks: tuple[int, ...]) -> dict[int, xray.RankCollectives]:
+        """The collective X-ray of `ranks` on this host (answered while they are blocked)."""
+        here = socket.gethostname()
+        local = [info.rank for info in self._infos(ranks) if info.host == here]
+        if not local or self.stack_dir is None:
+            return {}
+        return xray.read_ranks(self.stack_dir, local)
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks`, blocked in a collective, fail out of it (their processes live on)."""
+        if self.stack_dir is not None:
+            xray.release(self.stack_dir, ranks)
 
     def release(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks` let go of the process group, so peers blocked in it with them fail."""

@@ -1,0 +1,254 @@
+"""Collective X-ray, notebook side: what each rank ran and waits in, and mismatches named in seconds.
+
+Each rank on this host answers on a Unix socket in the world's private directory
+(`xray_rank`, served by a thread of the rank, so it answers while the rank is blocked in a
+collective). From the answers: per rank the last collectives (op, sequence number, shapes)
+from torch's flight recorder, the one it waits in, for how long, and its cell line.
+
+`MismatchWatch` turns repeated readings into a verdict: ranks blocked in collectives that
+cannot match (different sequence numbers, ops or shapes), or ranks blocked in a collective
+that a rank which already finished the cell never ran. A verdict needs the same picture in
+two readings at least `CONFIRM_SECONDS` apart, so a healthy world, where the picture changes
+every step, never gives one. Imports nothing of torch.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import DDPError, RankFailure
+from .xray_rank import socket_path
+
+# how long one rank may take to answer (it answers from a thread of its own, in microseconds)
+ANSWER_SECONDS = 1.0
+# a mismatch is confirmed by a second reading this much later showing the same picture
+CONFIRM_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issued on the default group, as torch's flight recorder saw it."""
+
+    seq: int
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    done: bool
+    created_ns: int
+
+    def describe(self) -> str:
+        shapes = ", ".join("[" + ", ".join(map(str, shape)) + "]" for shape in self.shapes)
+        return f"{self.op} #{self.seq} {shapes}".rstrip()
+
+    def signature(self) -> tuple[int, str, tuple[tuple[int, ...], ...]]:
+        return (self.seq, self.op, self.shapes)
+
+
+@dataclass(frozen=True)
+class RankCollectives:
+    """What one rank said about its collectives at one moment."""
+
+    rank: int
+    history: tuple[Collective, ...]  # oldest first; the last few finished ones, then the running ones
+    cell_line: int | None  # the line of the cell its main thread is on
+    in_cell: bool
+    now_ns: int  # the rank's clock when it answered
+
+    @property
+    def current(self) -> Collective | None:
+        """The collective the rank waits in (the oldest one not finished), or None."""
+        return next((c for c in self.history if not c.done), None)
+
+    @property
+    def last_seq(self) -> int:
+        return max((c.seq for c in self.history), default=0)
+
+    @property
+    def waited(self) -> float:
+        current = self.current
+        return 0.0 if current is None else max(0.0, (self.now_ns - current.created_ns) / 1e9)
+
+    def describe(self) -> str:
+        """One line: where the rank is, then its last finished collectives."""
+        current = self.current
+        line = f" (cell line {self.cell_line})" if self.cell_line is not None else ""
+        if current is not None:
+            head = f"in {current.describe()}{line}, waiting {self.waited:.1f} s"
+        elif self.in_cell:
+            head = f"running the cell{line}, in no collective"
+        else:
+            head = "idle"
+        finished = [c for c in self.history if c.done][-3:]
+        if finished:
+            head += "; last: " + ", ".join(c.describe() for c in finished)
+        return head
+
+
+def parse_report(rank: int, answer: Mapping[str, Any]) -> RankCollectives:
+    history = tuple(
+        Collective(
+            seq=int(entry["seq"]),
+            op=str(entry["op"]),
+            shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("shapes", ())),
+            dtypes=tuple(str(d) for d in entry.get("dtypes", ())),
+            done=bool(entry.get("retired")),
+            created_ns=int(entry.get("created_ns", 0)),
+        )
+        for entry in answer.get("entries", ())
+    )
+    line = answer.get("cell_line")
+    return RankCollectives(
+        rank=rank,
+        history=history,
+        cell_line=int(line) if line is not None else None,
+        in_cell=bool(answer.get("in_cell")),
+        now_ns=int(answer.get("now_ns", 0)),
+    )
+
+
+def ask(directory: str, rank: int, request: str, timeout: float = ANSWER_SECONDS) -> dict[str, Any] | None:
+    """One request to one rank of this host; None when it does not answer in time."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(timeout)
+            connection.connect(str(socket_path(directory, rank)))
+            connection.sendall((json.dumps({"ask": request}) + "\n").encode())
+            reply = connection.makefile("r", encoding="utf8").readline()
+    except OSError:
+        return None
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) and "error" not in answer else None
+
+
+def read_ranks(directory: str, ranks: Iterable[int]) -> dict[int, RankCollectives]:
+    """The X-ray of `ranks` (those of this host that answered)."""
+    found = {}
+    for rank in ranks:
+        answer = ask(directory, rank, "report")
+        if answer is not None:
+            found[rank] = parse_report(rank, answer)
+    return found
+
+
+def release(directory: str, ranks: Iterable[int]) -> dict[int, int]:
+    """Make `ranks` shut their process group's connections; {rank: connections shut} of those that answered."""
+    done = {}
+    for rank in ranks:
+        answer = ask(directory, rank, "release")
+        if answer is not None:
+            done[rank] = int(answer.get("released", 0))
+    return done
+
+
+def describe_world(readings: Mapping[int, RankCollectives]) -> str:
+    return "\n".join(f"rank {rank}: {readings[rank].describe()}" for rank in sorted(readings))
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Ranks that can never meet in their collectives, named with their collectives and cell lines."""
+
+    summary: str
+    blocked: tuple[int, ...]
+    details: tuple[str, ...]
+
+    def describe(self) -> str:
+        return "\n".join((self.summary, *(f"  {line}" for line in self.details)))
+
+
+def find_mismatch(readings: Mapping[int, RankCollectives], finished: Iterable[int]) -> Mismatch | None:
+    """A mismatch in one reading: pure logic over what the ranks said (see MismatchWatch)."""
+    finished = set(finished)
+    running = {rank: r for rank, r in readings.items() if rank not in finished}
+    blocked = {rank: r for rank, r in running.items() if r.current is not None}
+    if not blocked:
+        return None
+
+    def where(r: RankCollectives) -> str:
+        current = r.current
+        assert current is not None
+        line = f", cell line {r.cell_line}" if r.cell_line is not None else ""
+        return f"rank {r.rank} waits in {current.describe()}{line} ({r.waited:.1f} s)"
+
+    gone = [readings[rank] for rank in sorted(finished) if rank in readings]
+    skipped = [f for f in gone if any(f.last_seq < b.current.seq for b in blocked.values() if b.current is not None)]
+    if skipped:
+        details = [where(r) for r in blocked.values()] + [_finished_after(f, blocked.values()) for f in skipped]
+        return Mismatch(
+            f"collective mismatch: rank(s) {_ranks(skipped)} finished the cell without a collective that "
+            f"rank(s) {_ranks(blocked.values())} wait in",
+            tuple(sorted(blocked)),
+            tuple(details),
+        )
+    if len(blocked) < len(running) or len(blocked) < 2:
+        return None  # some rank is still computing: it may yet reach the collective
+    signatures = {r.current.signature() for r in blocked.values() if r.current is not None}
+    if len(signatures) == 1:
+        return None
+    seqs = {s[0] for s in signatures}
+    ops = {s[1] for s in signatures}
+    what = "sequence numbers" if len(seqs) > 1 else "ops" if len(ops) > 1 else "shapes"
+    return Mismatch(
+        f"collective mismatch: every rank is blocked, in collectives with different {what}",
+        tuple(sorted(blocked)),
+        tuple(where(r) for r in blocked.values()),
+    )
+
+
+class MismatchWatch:
+    """Readings over time to a confirmed mismatch: the same one seen twice, CONFIRM_SECONDS apart."""
+
+    def __init__(self, confirm_seconds: float = CONFIRM_SECONDS) -> None:
+        self.confirm_seconds = confirm_seconds
+        self._seen: tuple[Any, ...] | None = None
+        self._seen_at = 0.0
+
+    def check(
+        self, readings: Mapping[int, RankCollectives], finished: Iterable[int], now: float | None = None
+    ) -> Mismatch | None:
+        now = time.monotonic() if now is None else now
+        finished = tuple(sorted(finished))
+        found = find_mismatch(readings, finished)
+        if found is None:
+            self._seen = None
+            return None
+        picture = (finished, tuple((rank, r.current and r.current.signature()) for rank, r in sorted(readings.items())))
+        if picture != self._seen:
+            self._seen, self._seen_at = picture, now
+            return None
+        return found if now - self._seen_at >= self.confirm_seconds else None
+
+
+class CollectiveMismatchError(DDPError):
+    """Ranks were blocked in collectives that could never match; they were released, state kept."""
+
+    def __init__(self, mismatch: Mismatch, failures: Iterable[RankFailure] = (), note: str = "") -> None:
+        self.mismatch = mismatch
+        self.failures = list(failures)
+        self.note = note
+        super().__init__(mismatch.summary)
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [self.mismatch.describe()]
+        lines.append("the blocked ranks were released from their collectives (their processes and variables are kept)")
+        if self.note:
+            lines.append(self.note.strip())
+        return lines
+
+
+def _finished_after(finished: RankCollectives, blocked: Iterable[RankCollectives]) -> str:
+    missed = ", ".join(f"#{b.current.seq}" for b in blocked if b.current and b.current.seq > finished.last_seq)
+    after = f"after collective #{finished.last_seq}" if finished.last_seq else "without any collective"
+    return f"rank {finished.rank} finished the cell {after}: it never ran {missed}"
+
+
+def _ranks(readings: Iterable[RankCollectives]) -> str:
+    return ", ".join(str(r.rank) for r in readings)

@@ -1,0 +1,171 @@
+"""Runs on ranks: what collectives this rank ran and is in, answered while its main thread is blocked.
+
+A rank blocked in a gloo collective runs nothing ipyparallel sends it, but gloo waits with the
+GIL released, so a thread of ours still runs. It serves a Unix socket in the world's private
+directory (only the user can reach it) and answers two requests, one JSON line each:
+
+- `report`: torch's flight recorder entries of the default group (op, sequence number, shapes,
+  retired or not), the main thread's current cell line, and whether it is in a cell at all;
+- `release`: shut down the TCP connections the process group opened, so the collective the
+  main thread waits in fails at once ("Connection closed by peer") and the process lives on.
+  `ProcessGroup.abort()` returns on gloo in torch 2.13 but leaves the waiting collective
+  blocked; closing the listening socket makes gloo's listener thread abort the process, so
+  only connected sockets are shut down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# entries torch's flight recorder keeps per process (read when the first group is made)
+FLIGHT_RECORDER_SIZE = "100"
+# how many finished collectives a report carries
+REPORTED_HISTORY = 5
+# how the flight recorder names the default group (subgroups from new_group have names of their own)
+_DEFAULT_GROUP = "default_pg"
+
+_state: dict[str, Any] = {"server": None, "sockets_before": frozenset()}
+
+
+def socket_path(directory: str, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.xray"
+
+
+def before_group() -> None:
+    """Call right before the process group is made: turn the flight recorder on, note open sockets."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_SIZE)
+    _state["sockets_before"] = frozenset(_open_sockets().items())
+    # the recorder outlives groups: entries older than this belong to a group a heal replaced
+    _state["group_made_ns"] = time.time_ns()
+
+
+def serve(directory: str, rank: int) -> None:
+    """Answer report / release requests on this rank's socket (once per process; heals reuse it)."""
+    if _state["server"] is not None:
+        return
+    path = socket_path(directory, rank)
+    path.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    os.chmod(path, 0o600)
+    server.listen(8)
+    _state["server"] = server
+    threading.Thread(target=_answer_forever, args=(server,), name="ddp-notebook-xray", daemon=True).start()
+
+
+def _answer_forever(server: socket.socket) -> None:
+    while True:
+        try:
+            connection, _ = server.accept()
+        except OSError:
+            return
+        with connection:
+            connection.settimeout(2.0)
+            try:
+                request = json.loads(connection.makefile("r", encoding="utf8").readline() or "{}")
+                answer = _answer(request.get("ask", ""))
+                connection.sendall((json.dumps(answer) + "\n").encode())
+            except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
+                try:
+                    connection.sendall((json.dumps({"error": repr(failure)}) + "\n").encode())
+                except OSError:
+                    pass
+
+
+def _answer(ask: str) -> dict[str, Any]:
+    if ask == "report":
+        return report()
+    if ask == "release":
+        return {"released": release_connections()}
+    return {"error": f"unknown request {ask!r}"}
+
+
+def report() -> dict[str, Any]:
+    """The default group's recent collectives, the one(s) still running, and the main thread's cell line."""
+    entries = _flight_recorder_entries()
+    line, in_cell = _main_thread_cell_line()
+    return {"entries": entries, "cell_line": line, "in_cell": in_cell, "now_ns": time.time_ns()}
+
+
+def _flight_recorder_entries() -> list[dict[str, Any]]:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return []
+        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+    except Exception:  # noqa: BLE001  (no recorder in this build: nothing to report)
+        return []
+    default = [e for e in dump.get("entries", []) if _DEFAULT_GROUP in e.get("process_group", ())]
+    default = [e for e in default if e.get("time_created_ns", 0) >= _state.get("group_made_ns", 0)]
+    running = [e for e in default if not e.get("retired")]
+    done = [e for e in default if e.get("retired")][-REPORTED_HISTORY:]
+    return [_entry(e) for e in done + running]
+
+
+def _entry(raw: dict[str, Any]) -> dict[str, Any]:
+    op = str(raw.get("profiling_name", "?")).split(":", 1)[-1]
+    return {
+        "seq": int(raw.get("collective_seq_id", 0)),
+        "op": op,
+        "shapes": [list(s) for s in raw.get("input_sizes", [])],
+        "dtypes": list(raw.get("input_dtypes", [])),
+        "retired": bool(raw.get("retired")),
+        "created_ns": int(raw.get("time_created_ns", 0)),
+    }
+
+
+def _main_thread_cell_line() -> tuple[int | None, bool]:
+    from .stacks import _is_cell
+
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if _is_cell(frame.f_code.co_filename):
+            return frame.f_lineno, True
+        frame = frame.f_back
+    return None, False
+
+
+def release_connections() -> int:
+    """Shut down the connected sockets opened since the group was made; returns how many."""
+    count = 0
+    for fd, inode in _open_sockets().items():
+        if (fd, inode) in _state["sockets_before"]:
+            continue
+        try:
+            connection = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if connection.family not in (socket.AF_INET, socket.AF_INET6) or connection.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                continue
+            connection.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            connection.close()
+    return count
+
+
+def _open_sockets() -> dict[int, str]:
+    """{fd: 'socket:[inode]'} of this process's open sockets."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found

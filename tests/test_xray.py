@@ -1,0 +1,158 @@
+"""Collective X-ray: what each rank ran and waits in, and mismatched collectives ended in seconds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ddp_notebook import DDPCluster
+from ddp_notebook.xray import Collective, CollectiveMismatchError, MismatchWatch, RankCollectives, find_mismatch
+from tests.conftest import shared_world
+
+# ---------------------------------------------------------------- the verdict (pure logic)
+
+
+def _rank(rank: int, *entries: tuple[int, str, bool], line: int | None = 3, shape: int = 4) -> RankCollectives:
+    history = tuple(Collective(seq, op, ((shape,),), ("Float",), done, 0) for seq, op, done in entries)
+    return RankCollectives(rank, history, line, True, 2_000_000_000)
+
+
+def test_ranks_in_the_same_collective_are_no_mismatch() -> None:
+    readings = {0: _rank(0, (1, "all_reduce", True), (2, "all_reduce", False)), 1: _rank(1, (2, "all_reduce", False))}
+    assert find_mismatch(readings, finished=()) is None
+
+
+def test_a_rank_still_computing_is_no_mismatch() -> None:
+    readings = {0: _rank(0, (2, "all_reduce", False)), 1: _rank(1, (1, "all_reduce", True))}
+    assert find_mismatch(readings, finished=()) is None
+
+
+def test_different_ops_with_every_rank_blocked_are_named_with_their_lines() -> None:
+    readings = {0: _rank(0, (2, "all_reduce", False), line=3), 1: _rank(1, (2, "broadcast", False), line=5)}
+    found = find_mismatch(readings, finished=())
+    assert found is not None and found.blocked == (0, 1)
+    assert "different ops" in found.summary
+    assert found.details == (
+        "rank 0 waits in all_reduce #2 [4], cell line 3 (2.0 s)",
+        "rank 1 waits in broadcast #2 [4], cell line 5 (2.0 s)",
+    )
+
+
+def test_different_sequence_numbers_and_shapes_are_named() -> None:
+    seq = find_mismatch({0: _rank(0, (3, "all_reduce", False)), 1: _rank(1, (4, "all_reduce", False))}, ())
+    shape = find_mismatch({0: _rank(0, (3, "all_reduce", False)), 1: _rank(1, (3, "all_reduce", False), shape=5)}, ())
+    assert seq is not None and "different sequence numbers" in seq.summary
+    assert shape is not None and "different shapes" in shape.summary
+
+
+def test_a_finished_rank_that_skipped_the_collective_is_named() -> None:
+    readings = {0: _rank(0, (1, "all_reduce", True), (2, "all_reduce", False)), 1: _rank(1, (1, "all_reduce", True))}
+    found = find_mismatch(readings, finished=(1,))
+    assert found is not None and found.blocked == (0,)
+    assert "rank 1 finished the cell after collective #1: it never ran #2" in found.details
+
+
+def test_a_mismatch_is_confirmed_only_by_the_same_picture_a_second_later() -> None:
+    watch = MismatchWatch(confirm_seconds=1.0)
+    stuck = {0: _rank(0, (2, "all_reduce", False)), 1: _rank(1, (2, "broadcast", False))}
+    moved = {0: _rank(0, (3, "all_reduce", False)), 1: _rank(1, (3, "broadcast", False))}
+    assert watch.check(stuck, (), now=10.0) is None
+    assert watch.check(stuck, (), now=10.5) is None  # not yet a second
+    assert watch.check(moved, (), now=11.2) is None  # the ranks moved on: start again
+    assert watch.check(moved, (), now=12.3) is not None
+
+
+# ---------------------------------------------------------------- a real world
+
+
+@pytest.fixture(scope="module")
+def world3() -> Iterator[DDPCluster]:
+    yield from shared_world(3)
+
+
+MISMATCHES = {
+    # rank 2 calls broadcast where the others all-reduce: every rank blocks
+    "ops": (
+        "if rank == 2:\n    dist.broadcast(torch.ones(5), 0)\nelse:\n    dist.all_reduce(torch.ones(5))\n",
+        "different ops",
+        {0: "all_reduce #{1} [5], cell line 4", 2: "broadcast #{1} [5], cell line 2"},
+    ),
+    # rank 1 skips one of two all-reduces and goes on to the barrier: every rank blocks
+    "skipped, then blocked": (
+        "dist.all_reduce(torch.ones(3))\nif rank != 1:\n    dist.all_reduce(torch.ones(3))\ndist.barrier()\n",
+        "different ops",
+        {0: "all_reduce #{2} [3], cell line 3", 1: "barrier #{2}", 2: "all_reduce #{2} [3], cell line 3"},
+    ),
+    # rank 0 alone calls a collective and the others finish the cell
+    "skipped, others finished": (
+        "if rank == 0:\n    dist.all_reduce(torch.ones(2))\n",
+        "finished the cell without a collective",
+        {0: "all_reduce #{1} [2], cell line 2", 1: "rank 1 finished the cell after collective #{0}: it never ran #{1}"},
+    ),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_a_mismatch_ends_the_cell_within_5_s_naming_ranks_and_lines_and_keeps_state(
+    world3: DDPCluster, kind: str
+) -> None:
+    code, summary, expected = MISMATCHES[kind]
+    world3.execute("kept = rank * 10\ndist.all_reduce(torch.ones(1))")
+    # sequence numbers from here on (a heal starts a new group, whose own set-up may count some)
+    base = {reading.last_seq for reading in world3.collectives().values()}
+    assert len(base) == 1, base
+    first = base.pop()
+    seq = [first + n for n in range(3)]
+    began = time.monotonic()
+    with pytest.raises(CollectiveMismatchError) as caught:
+        world3.execute(code, timeout=60)
+    assert time.monotonic() - began < 5, "the mismatch was not caught within 5 s"
+    text = "\n".join(caught.value._render_traceback_())
+    assert summary in caught.value.mismatch.summary
+    for rank, where in expected.items():
+        where = where.format(*seq)
+        assert where in text, f"rank {rank}: {where!r} not in\n{text}"
+    assert "the process group was set up again" in text
+    assert world3.state == "healthy"
+    assert world3.pull("kept") == {0: 0, 1: 10, 2: 20}
+    world3.execute("y = torch.ones(1) * (rank + 1)\ndist.all_reduce(y)")
+    assert {r: v.item() for r, v in world3.pull("y").items()} == {0: 6.0, 1: 6.0, 2: 6.0}
+
+
+@pytest.mark.integration
+def test_the_xray_shows_each_ranks_collectives_with_shapes(world3: DDPCluster) -> None:
+    world3.execute("dist.all_reduce(torch.ones(1))")  # after a heal the group may be fresh: start from a known point
+    before = {rank: reading.last_seq for rank, reading in world3.collectives().items()}
+    world3.execute("dist.all_reduce(torch.ones(3, 2))\ndist.broadcast(torch.zeros(7), 0)")
+    readings = world3.collectives()
+    assert sorted(readings) == [0, 1, 2]
+    for rank, reading in readings.items():
+        last_two = [(c.seq - before[rank], c.op, c.shapes, c.done) for c in reading.history[-2:]]
+        assert last_two == [(1, "all_reduce", ((3, 2),), True), (2, "broadcast", ((7,),), True)]
+        assert reading.current is None and not reading.in_cell
+        assert "idle; last:" in reading.describe() and "broadcast" in reading.describe()
+
+
+@pytest.mark.integration
+def test_no_false_alarm_over_1000_healthy_steps(world3: DDPCluster) -> None:
+    # uneven ranks (rank 1 sleeps now and then) so ranks often wait for each other in a collective
+    outcome = world3.run(
+        "import time\n"
+        "torch.manual_seed(0)\n"
+        "net = ddp_notebook.prepare_model(torch.nn.Linear(16, 4))\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.01)\n"
+        "for step in range(1000):\n"
+        "    opt.zero_grad()\n"
+        "    net(torch.randn(8, 16)).sum().backward()\n"
+        "    opt.step()\n"
+        "    if rank == 1 and step % 50 == 0:\n"
+        "        time.sleep(0.05)\n"
+        "healthy_steps = step + 1\n",
+        timeout=300,
+    )
+    assert outcome.ok and outcome.mismatch is None, outcome.error()
+    assert outcome.result.elapsed > 2  # long enough for the watch to have read the ranks several times
+    assert world3.pull("healthy_steps") == {0: 1000, 1: 1000, 2: 1000}
