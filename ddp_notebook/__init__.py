@@ -37,6 +37,7 @@ from .errors import (
 from .outcome import CellOutcome, Ending
 from .results import CellResult, RankInfo, RankStatus
 from .state import WorldState
+from .xray import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
@@ -67,6 +68,7 @@ __all__ = [
     "CellOutcome",
     "CellResult",
     "CellTimeoutError",
+    "CollectiveMismatchError",
     "DDPCluster",
     "DDPError",
     "DDPUsageError",

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, devices, export, forming, limits, provisioning, rank_calls, xray
+from . import channel, config, devices, export, forming, limits, provisioning, rank_calls, stragglers, xray
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
 from .errors import DDPError, DDPUsageError, NotRunningError, StartError, WorldBrokenError, one_line
@@ -414,9 +414,15 @@ class DDPCluster:
     def collectives(self, ranks: Iterable[int] | str | None = None) -> dict[int, xray.RankCollectives]:
         """Collective X-ray of the ranks on this host: the last collectives each one ran and the one it
         waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
-        self._require_running()
+        self._require_running(allow_broken=True)
         assert self._supervisor is not None
         return self._supervisor.collectives(self._select(ranks))
+
+    def straggler(self) -> stragglers.Straggler | None:
+        """The rank clearly slower than its peers over their recent steps of models from prepare_model
+        (`.rank`, `.phase`: data, compute or optimizer; `.describe()`), or None."""
+        times = {rank: r.steps for rank, r in self.collectives().items() if r.steps is not None}
+        return stragglers.find_straggler(times)
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
         """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""

@@ -295,7 +295,8 @@ class DDPMagics(Magics):
         print(format_status(world, world.status(), world.memory()))
         readings = world.collectives()
         if readings:
-            print("collectives (torch's flight recorder):\n" + xray.describe_world(readings))
+            print("inside the ranks (collectives: torch's flight recorder; steps: prepare_model / prepare_loader):")
+            print(xray.describe_world(readings))
 
     @magic_arguments()
     @argument("path", nargs="?", default=None, help="the script to write, e.g. train.py")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import devices, layout, xray_rank
+from . import devices, layout, timing, xray_rank
 from .network import listen
 
 
@@ -427,6 +427,7 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
         ddp_kwargs.setdefault("device_ids", [current.device.index])
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
+    timing.watch_model(wrapper)
     return wrapper
 
 
@@ -471,7 +472,7 @@ class EpochDataLoader(DataLoader):
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(self.epoch)
         self.epoch += 1
-        return super().__iter__()
+        return timing.TimedBatches(super().__iter__())
 
 
 def prepare_loader(

@@ -37,7 +37,7 @@ DEATH_GRACE_SECONDS = 3.0
 # before the finished ranks let go of the process group, releasing peers blocked in it
 RELEASE_AFTER_SECONDS = 1.0
 # once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
-COLLECTIVES_CHECK_SECONDS = 0.5
+COLLECTIVES_CHECK_SECONDS = 0.25
 
 
 class CellSupervisor(Protocol):

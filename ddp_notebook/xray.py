@@ -18,10 +18,11 @@ import json
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DDPError, RankFailure
+from .stragglers import StepTimes, find_straggler
 from .xray_rank import socket_path
 
 # how long one rank may take to answer (it answers from a thread of its own, in microseconds)
@@ -58,6 +59,8 @@ class RankCollectives:
     cell_line: int | None  # the line of the cell its main thread is on
     in_cell: bool
     now_ns: int  # the rank's clock when it answered
+    steps: StepTimes | None = None  # its recent training steps, phase by phase (`timing`)
+    memory: Mapping[str, int] = field(default_factory=dict)  # rss, and cuda_* where it uses a GPU
 
     @property
     def current(self) -> Collective | None:
@@ -108,6 +111,8 @@ def parse_report(rank: int, answer: Mapping[str, Any]) -> RankCollectives:
         cell_line=int(line) if line is not None else None,
         in_cell=bool(answer.get("in_cell")),
         now_ns=int(answer.get("now_ns", 0)),
+        steps=StepTimes.parse(answer.get("steps")),
+        memory={str(k): int(v) for k, v in (answer.get("memory") or {}).items()},
     )
 
 
@@ -149,7 +154,20 @@ def release(directory: str, ranks: Iterable[int]) -> dict[int, int]:
 
 
 def describe_world(readings: Mapping[int, RankCollectives]) -> str:
-    return "\n".join(f"rank {rank}: {readings[rank].describe()}" for rank in sorted(readings))
+    """Per rank: its collectives, its recent steps and its allocator's memory; then the straggler, if any."""
+    lines = []
+    for rank in sorted(readings):
+        reading = readings[rank]
+        lines.append(f"rank {rank}: {reading.describe()}")
+        if reading.steps is not None:
+            lines.append(f"  steps: {reading.steps.describe()}")
+        cuda = {k: v for k, v in reading.memory.items() if k.startswith("cuda_")}
+        if cuda:
+            lines.append("  cuda: " + ", ".join(f"{k[5:]} {v / 2**20:.0f} MiB" for k, v in cuda.items()))
+    straggler = find_straggler({rank: r.steps for rank, r in readings.items() if r.steps is not None})
+    if straggler is not None:
+        lines.append(straggler.describe())
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -159,9 +177,11 @@ class Mismatch:
     summary: str
     blocked: tuple[int, ...]
     details: tuple[str, ...]
+    waited: float = 0.0  # seconds the blocked ranks had waited when it was found
 
     def describe(self) -> str:
-        return "\n".join((self.summary, *(f"  {line}" for line in self.details)))
+        found = f" (found {self.waited:.1f} s after the first of these collectives began)" if self.waited else ""
+        return "\n".join((self.summary + found, *(f"  {line}" for line in self.details)))
 
 
 def find_mismatch(readings: Mapping[int, RankCollectives], finished: Iterable[int]) -> Mismatch | None:
@@ -187,6 +207,7 @@ def find_mismatch(readings: Mapping[int, RankCollectives], finished: Iterable[in
             f"rank(s) {_ranks(blocked.values())} wait in",
             tuple(sorted(blocked)),
             tuple(details),
+            max(r.waited for r in blocked.values()),
         )
     if len(blocked) < len(running) or len(blocked) < 2:
         return None  # some rank is still computing: it may yet reach the collective
@@ -200,6 +221,7 @@ def find_mismatch(readings: Mapping[int, RankCollectives], finished: Iterable[in
         f"collective mismatch: every rank is blocked, in collectives with different {what}",
         tuple(sorted(blocked)),
         tuple(where(r) for r in blocked.values()),
+        max(r.waited for r in blocked.values()),
     )
 
 

@@ -91,7 +91,32 @@ def report() -> dict[str, Any]:
     """The default group's recent collectives, the one(s) still running, and the main thread's cell line."""
     entries = _flight_recorder_entries()
     line, in_cell = _main_thread_cell_line()
-    return {"entries": entries, "cell_line": line, "in_cell": in_cell, "now_ns": time.time_ns()}
+    from .timing import CLOCK
+
+    return {
+        "entries": entries,
+        "cell_line": line,
+        "in_cell": in_cell,
+        "now_ns": time.time_ns(),
+        "steps": CLOCK.summary(),
+        "memory": _memory(),
+    }
+
+
+def _memory() -> dict[str, int]:
+    """This process's resident bytes, and its CUDA allocator's where it uses a GPU."""
+    found = {}
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            found["rss"] = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        found["cuda_allocated"] = int(torch.cuda.memory_allocated())
+        found["cuda_reserved"] = int(torch.cuda.memory_reserved())
+        found["cuda_peak"] = int(torch.cuda.max_memory_allocated())
+    return found
 
 
 def _flight_recorder_entries() -> list[dict[str, Any]]:

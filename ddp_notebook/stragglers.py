@@ -1,0 +1,83 @@
+"""Stragglers named: from each rank's recent step times (phase by phase), the slow rank and why.
+
+A slow rank makes every peer wait for it in the gradient all-reduce, so wall time per step is
+the same everywhere; the time a rank spends outside communication is what differs. The
+straggler is the rank with the most of it, and its phase is the one (data, compute, optimizer)
+where it spends most beyond its peers. Plain data; imports nothing of torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# a rank is named only when it is this much slower than its peers' median, and by at least this much
+SLOWER_FACTOR = 1.2
+SLOWER_SECONDS = 0.002
+PHASES = ("data", "compute", "comm", "optimizer")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One rank's mean seconds per step over its recent steps."""
+
+    steps: int  # steps timed since the model was prepared
+    total: float
+    data: float
+    compute: float
+    comm: float
+    optimizer: float
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> StepTimes | None:
+        if not raw:
+            return None
+        return cls(int(raw["steps"]), *(float(raw[key]) for key in ("total", *PHASES)))
+
+    @property
+    def busy(self) -> float:
+        """Time outside communication: what the rank itself took."""
+        return self.total - self.comm
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{phase} {_ms(getattr(self, phase))}" for phase in PHASES)
+        return f"{_ms(self.total)}/step ({parts}) over {self.steps} steps"
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    phase: str
+    busy: float  # its seconds per step outside communication
+    peers_busy: float  # the median of the others'
+
+    def describe(self) -> str:
+        extra = self.busy - self.peers_busy
+        ratio = f", {self.busy / self.peers_busy:.1f}x" if self.peers_busy > 0 else ""
+        return (
+            f"rank {self.rank} is the straggler: {_ms(self.busy)} per step outside communication vs "
+            f"{_ms(self.peers_busy)} on the others (+{_ms(extra)}{ratio}), mostly in {self.phase}"
+        )
+
+
+def find_straggler(times: Mapping[int, StepTimes]) -> Straggler | None:
+    """The rank clearly slower than its peers, with the phase it loses time in; None if none is."""
+    if len(times) < 2:
+        return None
+    slowest = max(times, key=lambda rank: times[rank].busy)
+    peers = [t for rank, t in times.items() if rank != slowest]
+    peers_busy = statistics.median(t.busy for t in peers)
+    busy = times[slowest].busy
+    if busy < peers_busy * SLOWER_FACTOR or busy - peers_busy < SLOWER_SECONDS:
+        return None
+    excess = {
+        phase: getattr(times[slowest], phase) - statistics.median(getattr(t, phase) for t in peers)
+        for phase in ("data", "compute", "optimizer")
+    }
+    return Straggler(slowest, max(excess, key=lambda phase: excess[phase]), busy, peers_busy)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"

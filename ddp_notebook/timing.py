@@ -1,0 +1,156 @@
+"""Runs on ranks: each training step's time split into waiting for data, compute, waiting for
+communication and the optimizer, for models from `prepare_model` and loaders from `prepare_loader`.
+
+A step runs from one forward of a prepared model to the next. Inside it:
+
+- data: time spent in the prepared loader's `next()`;
+- communication: from the last gradient this rank produced (a post-accumulate-grad hook on every
+  parameter) to the end of backward; DDP's backward ends only once its all-reduces are done, so
+  this is the time the rank waited for its peers' gradients;
+- optimizer: inside `Optimizer.step` (torch's global step hooks);
+- compute: the rest (forward, backward, and the user's own code in the loop).
+
+A rank that is slow in compute makes its peers wait in communication, so the straggler is the
+rank with the most time outside communication. A few `perf_counter` calls per step and one
+Python call per parameter gradient: the overhead is measured by benchmarks/xray_overhead.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+# how many recent steps the averages are taken over
+WINDOW = 20
+PHASES = ("data", "compute", "comm", "optimizer")
+
+
+class StepClock:
+    """This rank's recent steps, phase by phase (seconds)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.steps: deque[dict[str, float]] = deque(maxlen=window)
+        self.count = 0
+        self._began: float | None = None
+        self._data = self._comm = self._optimizer = 0.0
+        self._last_grad: float | None = None
+        self._optimizer_began: float | None = None
+        self._backward_end_queued = False
+
+    def forward_started(self) -> None:
+        now = time.perf_counter()
+        if self._began is not None:
+            total = now - self._began
+            compute = max(0.0, total - self._data - self._comm - self._optimizer)
+            self.steps.append(
+                {
+                    "total": total,
+                    "data": self._data,
+                    "compute": compute,
+                    "comm": self._comm,
+                    "optimizer": self._optimizer,
+                }
+            )
+            self.count += 1
+        self._began = now
+        self._data = self._comm = self._optimizer = 0.0
+        self._last_grad = None
+
+    def cell_started(self) -> None:
+        """A new cell: the time since the last forward is the user's pause, not a step."""
+        self._began = None
+
+    def waited_for_data(self, seconds: float) -> None:
+        self._data += seconds
+
+    def gradient_ready(self) -> None:
+        """A parameter's gradient is in: at the end of this backward, count the wait since the last one."""
+        self._last_grad = time.perf_counter()
+        if not self._backward_end_queued:
+            self._backward_end_queued = True
+            # final callbacks run in order once backward is done; DDP's own (which waits for its
+            # all-reduces) is queued by then, so one queued from ours runs after it
+            _queue_end_of_backward(lambda: _queue_end_of_backward(self._backward_ended))
+
+    def _backward_ended(self) -> None:
+        self._backward_end_queued = False
+        if self._last_grad is not None and self._began is not None:
+            self._comm += time.perf_counter() - self._last_grad
+        self._last_grad = None
+
+    def optimizer_started(self) -> None:
+        self._optimizer_began = time.perf_counter()
+
+    def optimizer_ended(self) -> None:
+        if self._optimizer_began is not None:
+            self._optimizer += time.perf_counter() - self._optimizer_began
+            self._optimizer_began = None
+
+    def summary(self) -> dict[str, Any] | None:
+        """Mean seconds per phase over the recent steps, and how many steps were timed; None before any."""
+        if not self.steps:
+            return None
+        count = len(self.steps)
+        means = {key: sum(step[key] for step in self.steps) / count for key in ("total", *PHASES)}
+        return {"steps": self.count, "window": count, **means}
+
+
+def _queue_end_of_backward(callback: Any) -> None:
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+CLOCK = StepClock()
+_installed: dict[str, Any] = {}
+
+
+def watch_model(model: Any) -> None:
+    """Time the steps of `model` (a DDP wrapper): its forwards and its parameters' gradients."""
+    _install_optimizer_hooks()
+    model.register_forward_pre_hook(lambda _module, _args: CLOCK.forward_started())
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(lambda _p: CLOCK.gradient_ready())
+
+
+def _install_optimizer_hooks() -> None:
+    if _installed:
+        return
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None:
+        shell.events.register("pre_run_cell", lambda *_: CLOCK.cell_started())
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    _installed["pre"] = register_optimizer_step_pre_hook(lambda *_: CLOCK.optimizer_started())
+    _installed["post"] = register_optimizer_step_post_hook(lambda *_: CLOCK.optimizer_ended())
+
+
+class TimedBatches:
+    """A loader's iterator that adds the time each `next()` takes to this rank's data phase."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        began = time.perf_counter()
+        try:
+            return next(self._batches)
+        finally:
+            CLOCK.waited_for_data(time.perf_counter() - began)
+
+    def __len__(self) -> int:
+        return len(self._batches)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batches, name)
