@@ -41,6 +41,7 @@ from .xray import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
+    from .debugger import breakpoint
     from .rank import (
         barrier,
         is_main,
@@ -86,6 +87,7 @@ __all__ = [
     "WorldState",
     "__version__",
     "barrier",
+    "breakpoint",
     "is_main",
     "load_checkpoint",
     "load_ipython_extension",
@@ -105,6 +107,10 @@ def __getattr__(name: str) -> Any:
 
         value = globals()[name] = getattr(channel, name)  # cached: log() runs every step
         return value
+    if name == "breakpoint":
+        from .debugger import breakpoint
+
+        return breakpoint
     if name in _RANK_HELPERS:
         from . import rank
 

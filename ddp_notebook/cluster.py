@@ -18,10 +18,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, devices, export, forming, limits, provisioning, rank_calls, stragglers, xray
+from . import channel, config, debugging, devices, export, forming, limits, provisioning, rank_calls, stragglers, xray
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
-from .errors import DDPError, DDPUsageError, NotRunningError, StartError, WorldBrokenError, one_line
+from .errors import (
+    DDPError,
+    DDPUsageError,
+    NotRunningError,
+    RankError,
+    RankFailure,
+    StartError,
+    WorldBrokenError,
+    one_line,
+)
 from .export import CellRecord
 from .outcome import CellOutcome, breaks_process_group
 from .relay import CellRelay, OutputSink
@@ -76,6 +85,7 @@ class DDPCluster:
         self._private_dir: str | None = None  # files only this user may read: the ranks' stack dumps
         self.start_seconds: float | None = None
         self.last_heal_seconds: float | None = None
+        self.last_failures: tuple[RankFailure, ...] = ()
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = channel.Recorder()
         # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
@@ -329,6 +339,8 @@ class DDPCluster:
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
         failures = tuple(relay.failures())
+        if failures:
+            self.last_failures = failures  # for debug(): the cell to look into
         heal_note = ""
         if relay.dead:
             self._lifecycle.ranks_died(relay.dead)
@@ -417,6 +429,19 @@ class DDPCluster:
         self._require_running(allow_broken=True)
         assert self._supervisor is not None
         return self._supervisor.collectives(self._select(ranks))
+
+    def debug(self, rank: int | None = None) -> None:
+        """pdb, in the notebook, on `rank`'s last failed cell (default: the root cause of the last
+        RankError); each line is asked with input(). `%ddp_debug`."""
+        self._require_running()
+        if rank is None:
+            if not self.last_failures:
+                raise DDPUsageError("no cell has failed on a rank yet: %ddp_debug looks into the last one that did")
+            rank = RankError(list(self.last_failures)).root_cause.rank
+        (rank,) = self._select([rank])
+        assert self._provisioner is not None and self._private_dir is not None
+        engine = self._provisioner.client[self._ranks[rank].engine_id]
+        debugging.post_mortem(engine, self._private_dir, rank)
 
     def straggler(self) -> stragglers.Straggler | None:
         """The rank clearly slower than its peers over their recent steps of models from prepare_model

@@ -298,6 +298,15 @@ class DDPMagics(Magics):
             print("inside the ranks (collectives: torch's flight recorder; steps: prepare_model / prepare_loader):")
             print(xray.describe_world(readings))
 
+    @line_magic
+    @_usage_errors
+    def ddp_debug(self, line: str = "") -> None:
+        """pdb on the last failed cell of a rank: %ddp_debug (the root cause of the last error) or %ddp_debug RANK."""
+        text = line.strip()
+        if text and not text.isdigit():
+            raise DDPUsageError(f"%ddp_debug takes a rank number or nothing, got '{text}'")
+        self._running_world().debug(int(text) if text else None)
+
     @magic_arguments()
     @argument("path", nargs="?", default=None, help="the script to write, e.g. train.py")
     @argument("--cells", default=None, help="cells to export: 1,3-5 (default: every cell that succeeded)")

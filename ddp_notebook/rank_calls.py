@@ -96,6 +96,12 @@ def release_group() -> None:
     rank.release_group()
 
 
+def post_mortem() -> str:
+    from ddp_notebook import debugger
+
+    return debugger.post_mortem()
+
+
 def shutdown_world() -> None:
     from ddp_notebook import rank
 

@@ -64,6 +64,9 @@ class CellSupervisor(Protocol):
     def release_blocked(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks` fail out of the collective they are blocked in."""
 
+    def debug(self, rank: int) -> None:
+        """Drive `rank`'s waiting pdb session until the user continues or quits."""
+
 
 @dataclass
 class _WaitClock:
@@ -282,12 +285,19 @@ class CellRelay:
             return
         clock.next_collectives_check = now + COLLECTIVES_CHECK_SECONDS
         running = self.unfinished()
-        if not running or self._some_failed():
-            return  # a failed rank is released by _maybe_release
+        if not running:
+            return
         try:
             readings = supervisor.collectives(self._ranks)
         except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
             return
+        stopped = [rank for rank, reading in readings.items() if reading.debugger and rank in running]
+        if stopped:
+            supervisor.debug(stopped[0])  # asks the user for each line; the other ranks wait
+            clock.next_collectives_check = time.monotonic()
+            return
+        if self._some_failed():
+            return  # a failed rank is released by _maybe_release
         self.mismatch = self._mismatch_watch.check(readings, self._finished(), now)
         if self.mismatch is not None:
             supervisor.release_blocked(self.mismatch.blocked)

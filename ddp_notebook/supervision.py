@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import limits, rank_calls, stacks, xray
+from . import debugging, limits, rank_calls, stacks, xray
 from .controller import ControllerLink
 from .limits import MEMORY_REARM_FRACTION, MEMORY_WARN_FRACTION
 from .provisioning import Provisioner
@@ -153,6 +153,11 @@ class WorldSupervisor:
         if not local or self.stack_dir is None:
             return {}
         return xray.read_ranks(self.stack_dir, local)
+
+    def debug(self, rank: int) -> None:
+        """Drive `rank`'s waiting pdb session from the notebook until the user continues or quits."""
+        if self.stack_dir is not None:
+            debugging.drive(self.stack_dir, rank)
 
     def release_blocked(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks`, blocked in a collective, fail out of it (their processes live on)."""

@@ -61,6 +61,7 @@ class RankCollectives:
     now_ns: int  # the rank's clock when it answered
     steps: StepTimes | None = None  # its recent training steps, phase by phase (`timing`)
     memory: Mapping[str, int] = field(default_factory=dict)  # rss, and cuda_* where it uses a GPU
+    debugger: bool = False  # a pdb session on it waits for the user
 
     @property
     def current(self) -> Collective | None:
@@ -113,16 +114,19 @@ def parse_report(rank: int, answer: Mapping[str, Any]) -> RankCollectives:
         now_ns=int(answer.get("now_ns", 0)),
         steps=StepTimes.parse(answer.get("steps")),
         memory={str(k): int(v) for k, v in (answer.get("memory") or {}).items()},
+        debugger=bool(answer.get("debugger")),
     )
 
 
-def ask(directory: str, rank: int, request: str, timeout: float = ANSWER_SECONDS) -> dict[str, Any] | None:
+def ask(
+    directory: str, rank: int, request: str, timeout: float = ANSWER_SECONDS, **fields: Any
+) -> dict[str, Any] | None:
     """One request to one rank of this host; None when it does not answer in time."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(timeout)
             connection.connect(str(socket_path(directory, rank)))
-            connection.sendall((json.dumps({"ask": request}) + "\n").encode())
+            connection.sendall((json.dumps({"ask": request, **fields}) + "\n").encode())
             reply = connection.makefile("r", encoding="utf8").readline()
     except OSError:
         return None

@@ -57,7 +57,14 @@ def serve(directory: str, rank: int) -> None:
     os.chmod(path, 0o600)
     server.listen(8)
     _state["server"] = server
+    sys.breakpointhook = _stop_in_debugger  # a plain breakpoint() in a cell stops this rank in the notebook
     threading.Thread(target=_answer_forever, args=(server,), name="ddp-notebook-xray", daemon=True).start()
+
+
+def _stop_in_debugger(*_args: Any, **_kwargs: Any) -> None:
+    from .debugger import stop_here
+
+    stop_here(sys._getframe().f_back)
 
 
 def _answer_forever(server: socket.socket) -> None:
@@ -70,7 +77,7 @@ def _answer_forever(server: socket.socket) -> None:
             connection.settimeout(2.0)
             try:
                 request = json.loads(connection.makefile("r", encoding="utf8").readline() or "{}")
-                answer = _answer(request.get("ask", ""))
+                answer = _answer(request.get("ask", ""), request.get("line"))
                 connection.sendall((json.dumps(answer) + "\n").encode())
             except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
                 try:
@@ -79,11 +86,15 @@ def _answer_forever(server: socket.socket) -> None:
                     pass
 
 
-def _answer(ask: str) -> dict[str, Any]:
+def _answer(ask: str, line: str | None) -> dict[str, Any]:
     if ask == "report":
         return report()
     if ask == "release":
         return {"released": release_connections()}
+    if ask == "debug":
+        from .debugger import SESSION
+
+        return SESSION.answer(line)
     return {"error": f"unknown request {ask!r}"}
 
 
@@ -91,6 +102,7 @@ def report() -> dict[str, Any]:
     """The default group's recent collectives, the one(s) still running, and the main thread's cell line."""
     entries = _flight_recorder_entries()
     line, in_cell = _main_thread_cell_line()
+    from .debugger import status
     from .timing import CLOCK
 
     return {
@@ -100,6 +112,7 @@ def report() -> dict[str, Any]:
         "now_ns": time.time_ns(),
         "steps": CLOCK.summary(),
         "memory": _memory(),
+        "debugger": status(),
     }
 
 
