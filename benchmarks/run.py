@@ -22,6 +22,8 @@ from scenarios import SCENARIOS, Run, drive
 from subjects import SUBJECTS, world
 
 CASES = ("raise", "hang", "interrupt", "death")
+# opt-in failure cases (not in the default list, so `peers` does not run them on every tool)
+EXTRA_CASES = ("mismatch", "skipped")
 # settings whose default depends on the scenario (and on `peers`, shorter runs of more subjects)
 DEFAULTS = {
     "warmup": {"roundtrip": 20, "training": 30, "logging": 30},
@@ -71,8 +73,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "repeats", "cells", "steps", "calls", "block", "blocks"):
         if (getattr(args, name) or 1) < 1:
             parser.error(f"--{name} must be >= 1")
-    if unknown := set(args.cases.split(",")) - set(CASES):
-        parser.error(f"--cases: unknown {', '.join(sorted(unknown))} (choose from {', '.join(CASES)})")
+    if unknown := set(args.cases.split(",")) - set(CASES) - set(EXTRA_CASES):
+        known = ", ".join(CASES + EXTRA_CASES)
+        parser.error(f"--cases: unknown {', '.join(sorted(unknown))} (choose from {known})")
     if args.subjects and (unknown := set(args.subjects.split(",")) - set(SUBJECTS)):
         parser.error(f"--subjects: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SUBJECTS)})")
     from ddp_notebook import network

@@ -62,6 +62,17 @@ FAILING = {
     "    os._exit(9)\ndist.all_reduce(x)",
 }
 FAILING["interrupt"] = FAILING["hang"]
+# collectives that can never match: rank 1 broadcasts where the others all-reduce (every rank blocks)
+FAILING["mismatch"] = (
+    "import time, torch, torch.distributed as dist\nx = torch.ones(4)\nif rank == 1:\n"
+    "    with open(@EVENT@, 'w') as f:\n        f.write(repr(time.time()))\n    dist.broadcast(x, 0)\n"
+    "else:\n    dist.all_reduce(x)"
+)
+# rank 1 skips the all_reduce the others wait in, and finishes the cell
+FAILING["skipped"] = (
+    "import time, torch, torch.distributed as dist\nx = torch.ones(4)\nif rank == 1:\n"
+    "    with open(@EVENT@, 'w') as f:\n        f.write(repr(time.time()))\nelse:\n    dist.all_reduce(x)"
+)
 # the next cell: a DDP step and a collective on every rank, and the state of earlier cells
 AFTER = (
     "import torch, torch.distributed as dist\n"
@@ -74,7 +85,9 @@ AFTER_LINE = re.compile(r"after rank=(\d+) sum=([\d.]+) probe=(None|\d+)")
 TAG_MARK = re.compile(r"tagprobe:(\d+):(\d+)")
 # how tools name a rank: [rank 1], [stdout:1], [1:execute], [default1], "Rank 1:", "rank: 1"
 RANK_TAG = re.compile(r"\[(?:rank |stdout:|stderr:|default)(\d+)\]|\[(\d+):\w+\]|\brank:? ?(\d+):", re.I)
-FAILURE_WORDS = re.compile(r"Error|error|Traceback|Timeout|timed out|failed|FAILED|interrupted|Interrupt|killed")
+FAILURE_WORDS = re.compile(
+    r"Error|error|Traceback|Timeout|timed out|failed|FAILED|interrupted|Interrupt|killed|mismatch"
+)
 WORKLOAD = f"import json, sys\nsys.path.insert(0, {str(BENCH_DIR)!r})\nimport train_workload\n"
 HEALED = re.compile(r"set up again in ([\d.]+) s")  # what ddp_notebook tells the user after a heal
 UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
@@ -453,7 +466,7 @@ class Failures(Scenario):
             cell = subject.cell(body, s.hang_cap + INTERRUPT_AT, cell_timeout=limit)
         finally:
             timer.cancel()
-        if case in ("raise", "death"):
+        if case in ("raise", "death", "mismatch", "skipped"):
             event = float(event_file.read_text()) if event_file.exists() else None
         else:
             event = pressed[0] if case == "interrupt" and pressed else cell.sent + s.cell_timeout
@@ -583,4 +596,55 @@ class Logging(Scenario):
         return summary
 
 
-SCENARIOS: dict[str, Scenario] = {x.name: x for x in (Start(), Roundtrip(), Training(), Failures(), Logging())}
+class Seeing(Scenario):
+    """What seeing inside the ranks costs: steps/s of a model from prepare_model (its steps timed
+    phase by phase) against the same plain DDP model, in one cell the X-ray reads 4 times a second."""
+
+    name = "seeing"
+    peers_repeats = 1
+
+    def reference(self, name: str) -> str | None:
+        return None
+
+    def supports(self, name: str) -> str | None:
+        return None if name in ("ddp_notebook", "ddp_kernel") else "no step timing"
+
+    def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
+        s = run.s
+        body = f"{WORKLOAD}blocks = train_workload.timing_blocks({s.blocks}, {s.block}, {s.warmup})\n"
+        body += 'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(blocks), flush=True)'
+        cell = subject.cell(body, 600.0, expect=lambda t: "BENCH_RESULT" in t)
+        found = re.search(r"BENCH_RESULT (\{.*\})", cell.text)
+        if not found:
+            raise RuntimeError(f"seeing cell: {cell.status}: {cell.text[-800:]}")
+        return {"blocks": json.loads(found.group(1))}
+
+    def brief(self, sample: dict[str, Any]) -> str:
+        blocks = sample["blocks"]
+        return f"with/without {sum(blocks['with']) / sum(blocks['without']):.4f}"
+
+    def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
+        summary = {}
+        for name, entry in results.items():
+            if not entry["samples"]:
+                continue
+            blocks = {k: [v for x in entry["samples"] for v in x["blocks"][k]] for k in entry["samples"][0]["blocks"]}
+            kinds = ("without", "control", "with")
+            step_ms = {kind: sum(blocks[kind]) / (len(blocks[kind]) * s.block) * 1e3 for kind in kinds}
+            with_ = mean_interval([b / a for a, b in zip(blocks["without"], blocks["with"])])
+            control = mean_interval([b / a for a, b in zip(blocks["without"], blocks["control"])])
+            report_us = statistics.median(blocks["report_us"])
+            polling = report_us * 4 / 1e6  # 4 reports a second: the share of one rank's time
+            summary[name] = {"step_ms": step_ms, "with_over_without": with_, "control_over_without": control}
+            summary[name] |= {"report_us": report_us, "polling_share": polling}
+            print(f"{entry['label']}: ms per step without {step_ms['without']:.3f}, control {step_ms['control']:.3f},")
+            print(f"   with step timing {step_ms['with']:.3f}; time per step with/without {with_[0]:.4f} ", end="")
+            print(f"(95% {with_[1]:.4f}-{with_[2]:.4f}); control/without {control[0]:.4f} ", end="")
+            print(f"({control[1]:.4f}-{control[2]:.4f})")
+            print(f"   X-ray report on a rank: {report_us:.0f} us; 4 a second in a cell: {polling:.3%} of its time")
+        return summary
+
+
+SCENARIOS: dict[str, Scenario] = {
+    x.name: x for x in (Start(), Roundtrip(), Training(), Failures(), Logging(), Seeing())
+}

@@ -45,14 +45,14 @@ def _device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def _setup(seed: int) -> tuple[Any, torch.device]:
-    """The DDP model, its optimizer and a step function over this rank's synthetic batches."""
+def _setup(seed: int, wrap: Any = DistributedDataParallel) -> tuple[Any, torch.device]:
+    """The DDP model (`wrap` makes it), its optimizer and a step function over this rank's synthetic batches."""
     rank, device = dist.get_rank(), _device()
     torch.manual_seed(seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
     ).to(device)
-    ddp = DistributedDataParallel(model)
+    ddp = wrap(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     inputs = torch.randn(DISTINCT_BATCHES, BATCH_PER_RANK, IN_FEATURES, generator=generator).to(device)
@@ -156,6 +156,43 @@ def log_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
             seconds[kind].append(time.perf_counter() - began)
             seconds[f"cpu_{kind}"].append(time.process_time() - cpu_began)
     seconds["in_log"] = [in_log]
+    return seconds
+
+
+# ---------------------------------------------------------------- the seeing-inside scenario
+
+
+def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds per block of `block` training steps: a plain DDP model ("without"), the same again
+    (a control), and one from ddp_notebook.prepare_model, timed phase by phase ("with"); plus
+    microseconds per X-ray report (what the notebook asks each rank 4 times a second in a cell)."""
+    import ddp_notebook
+    from ddp_notebook import timing, xray_rank
+
+    plain, device = _setup(0)
+    prepared, _ = _setup(0, wrap=ddp_notebook.prepare_model)
+    for index in range(warmup):
+        plain(index)
+        prepared(index)
+    _sync(device)
+    seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    for round_index in range(rounds):
+        for kind in (KINDS[i] for i in ORDERS[round_index % len(ORDERS)]):
+            if kind == "with":
+                timing._install_optimizer_hooks()
+            else:
+                timing.remove_optimizer_hooks()
+            step = prepared if kind == "with" else plain
+            began = time.perf_counter()
+            for index in range(block):
+                step(index)
+            seconds[kind].append(time.perf_counter() - began)
+    timing._install_optimizer_hooks()
+    calls = 200
+    began = time.perf_counter()
+    for _ in range(calls):
+        xray_rank.report()
+    seconds["report_us"] = [(time.perf_counter() - began) / calls * 1e6]
     return seconds
 
 

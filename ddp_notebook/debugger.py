@@ -44,8 +44,12 @@ class _Session:
         self.changed = threading.Condition()
         self.waiting = False
         self.active = False
+        self.scripted: list[str] = []  # lines given up front: run as typed, shown in the cell's output
 
     def write(self, text: str) -> int:
+        if self.scripted:
+            sys.stdout.write(text)  # the rank's own output: it reaches the notebook as [rank N] lines
+            return len(text)
         with self.changed:
             self.output.append(text)
         return len(text)
@@ -54,6 +58,11 @@ class _Session:
         pass
 
     def readline(self) -> str:
+        if self.scripted:
+            line = self.scripted.pop(0)
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            return line + "\n"
         with self.changed:
             self.waiting = True
             self.changed.notify_all()
@@ -136,14 +145,20 @@ def status() -> dict[str, Any] | None:
     return {"waiting": SESSION.waiting}
 
 
-def stop_here(frame: FrameType | None = None, on_end: Callable[[bool], None] | None = None) -> None:
+def stop_here(
+    frame: FrameType | None = None,
+    on_end: Callable[[bool], None] | None = None,
+    commands: list[str] | None = None,
+) -> None:
     """Stop this rank in pdb at the next line of `frame` (default: the caller's).
 
-    `on_end(quit)` runs when the user continues (`c`) or quits (`q`).
+    `on_end(quit)` runs when the user continues (`c`) or quits (`q`). `commands` run first, as
+    if typed (the prompt comes to the notebook once they are used up without a `c`).
     """
     debugger = _RankPdb()
     SESSION.active = True
     SESSION.take_output()
+    SESSION.scripted = list(commands or ())
     _finish_when_done(debugger, on_end)
     debugger.set_trace(frame or sys._getframe().f_back)
 
@@ -190,11 +205,12 @@ def post_mortem(traceback: TracebackType | None = None) -> str:
     return ""
 
 
-def breakpoint(rank: int = 0) -> None:
+def breakpoint(rank: int = 0, commands: list[str] | None = None) -> None:
     """Stop `rank` in pdb, in the notebook, while the other ranks wait (call it on every rank).
 
     The others wait on the world's store, not in a collective, so no collective timeout runs
     out while you look around. `c` continues everywhere; `q` ends the cell on every rank.
+    `commands` (e.g. `["p loss", "c"]`) run first as if typed, for a notebook run unattended.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -209,7 +225,7 @@ def breakpoint(rank: int = 0) -> None:
         if store.get(key) == b"quit":
             raise DebuggerQuit(f"the debugger on rank {rank} was quit")
         return
-    stop_here(sys._getframe().f_back, lambda quit: store.set(key, "quit" if quit else "continue"))
+    stop_here(sys._getframe().f_back, lambda quit: store.set(key, "quit" if quit else "continue"), commands)
 
 
 _state: dict[str, int] = {}

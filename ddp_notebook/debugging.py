@@ -48,6 +48,12 @@ def drive(
         except (KeyboardInterrupt, EOFError):
             xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line="q")
             raise KeyboardInterrupt from None
+        except Exception as failure:  # noqa: BLE001  (no stdin here: nbclient, a script, ...)
+            (out or sys.stderr).write(
+                f"[rank {rank}] pdb cannot ask here ({one_line(failure)}): continuing; "
+                "give the lines up front with ddp_notebook.breakpoint(rank, commands=[...])\n"
+            )
+            line = "c"
         answer = xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line=line)
 
 

@@ -70,7 +70,7 @@ class CellOutcome:
         if self.ending is Ending.TIMEOUT:
             assert self.timeout is not None
             return CellTimeoutError(self.timeout, self.unfinished, self.stuck_report + self.heal_note)
-        if self.mismatch is not None and not self.dead:
+        if self.mismatch is not None and self.failures and not self.dead:
             return CollectiveMismatchError(self.mismatch, self.failures, self.heal_note)
         if self.dead:
             return RankDiedError(dict(self.dead), list(self.failures))

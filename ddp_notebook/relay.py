@@ -300,7 +300,8 @@ class CellRelay:
             return  # a failed rank is released by _maybe_release
         self.mismatch = self._mismatch_watch.check(readings, self._finished(), now)
         if self.mismatch is not None:
-            supervisor.release_blocked(self.mismatch.blocked)
+            # every rank shuts its side: a blocked rank sees its own shutdown late, its peer's at once
+            supervisor.release_blocked(self._ranks)
             clock.stop_at = time.monotonic() + DEATH_GRACE_SECONDS
 
     def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:

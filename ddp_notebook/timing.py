@@ -104,7 +104,15 @@ def _queue_end_of_backward(callback: Any) -> None:
 
 
 CLOCK = StepClock()
-_installed: dict[str, Any] = {}
+_installed: dict[str, Any] = {}  # torch's handles of the global optimizer hooks
+_ipython_hooked: set[str] = set()
+
+
+def remove_optimizer_hooks() -> None:
+    """Take the global optimizer hooks out (the next prepare_model puts them back)."""
+    for handle in _installed.values():
+        handle.remove()
+    _installed.clear()
 
 
 def watch_model(model: Any) -> None:
@@ -119,14 +127,16 @@ def watch_model(model: Any) -> None:
 def _install_optimizer_hooks() -> None:
     if _installed:
         return
-    try:
-        from IPython import get_ipython
+    if "cell" not in _ipython_hooked:
+        _ipython_hooked.add("cell")
+        try:
+            from IPython import get_ipython
 
-        shell = get_ipython()
-    except ImportError:
-        shell = None
-    if shell is not None:
-        shell.events.register("pre_run_cell", lambda *_: CLOCK.cell_started())
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        if shell is not None:
+            shell.events.register("pre_run_cell", lambda *_: CLOCK.cell_started())
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     _installed["pre"] = register_optimizer_step_pre_hook(lambda *_: CLOCK.optimizer_started())

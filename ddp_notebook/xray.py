@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DDPError, RankFailure
+from .errors import RankError, RankFailure
 from .stragglers import StepTimes, find_straggler
 from .xray_rank import socket_path
 
@@ -253,14 +253,17 @@ class MismatchWatch:
         return found if now - self._seen_at >= self.confirm_seconds else None
 
 
-class CollectiveMismatchError(DDPError):
-    """Ranks were blocked in collectives that could never match; they were released, state kept."""
+class CollectiveMismatchError(RankError):
+    """Ranks were blocked in collectives that could never match: they were released from them
+    (the failures are what they raised then), their state kept."""
 
-    def __init__(self, mismatch: Mismatch, failures: Iterable[RankFailure] = (), note: str = "") -> None:
+    def __init__(self, mismatch: Mismatch, failures: Iterable[RankFailure], note: str = "") -> None:
+        super().__init__(list(failures), note=note.strip())
         self.mismatch = mismatch
-        self.failures = list(failures)
-        self.note = note
-        super().__init__(mismatch.summary)
+        self.args = (mismatch.summary,)
+
+    def __str__(self) -> str:
+        return self.mismatch.summary
 
     def _render_traceback_(self) -> list[str]:
         lines = [self.mismatch.describe()]

@@ -120,6 +120,19 @@ def check_multi_node(text: str) -> None:
     assert "skipped: no Slurm cluster answers here" in text or "world of 2 ranks (gloo)" in text
 
 
+def check_seeing_inside(text: str) -> None:
+    """A skipped and a mismatched collective named within seconds, state kept; the straggler; pdb on rank 1."""
+    assert "rank(s) 1 finished the cell without a collective that rank(s) 0 wait in" in text
+    assert "rank 0 waits in all_reduce #1 [3], cell line 4" in text
+    assert "every rank is blocked, in collectives with different ops" in text
+    assert re.search(r"rank 1 waits in broadcast #\d+ \[3\], cell line 2", text)
+    assert "[rank 1] kept 10; all-reduce works again: 2.0" in text
+    assert re.search(r"rank 1 is the straggler: .* mostly in compute", text)
+    assert "[rank 1] (Pdb) p lr\n" in text and "[rank 1] 0.2\n" in text
+    assert "[rank 1] -> total = torch.tensor([scaled])" in text and "[rank 1] 0.4\n" in text
+    assert "[rank 0] after the breakpoint: scaled 0.2, sum over ranks 0.6" in text
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -159,6 +172,8 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         check_notebook_to_script(text, tmp_path)
     if path.name == "06_multi_node.ipynb":
         check_multi_node(text)
+    if path.name == "08_seeing_inside.ipynb":
+        check_seeing_inside(text)
 
 
 def test_there_are_notebooks() -> None:
