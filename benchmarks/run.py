@@ -26,7 +26,7 @@ CASES = ("raise", "hang", "interrupt", "death")
 EXTRA_CASES = ("mismatch", "skipped")
 # settings whose default depends on the scenario (and on `peers`, shorter runs of more subjects)
 DEFAULTS = {
-    "warmup": {"roundtrip": 20, "training": 30, "logging": 30},
+    "warmup": {"roundtrip": 20, "training": 30, "logging": 30, "seeing": 30},
     "steps": {"training": 500},
     "peers": {"steps": 100},
 }
@@ -49,8 +49,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--hang-cap", type=float, default=35.0, help="seconds to wait for a failure report (default: 35)")
     add("--cell-timeout", type=float, default=5.0, help="failures: the hang case's cell timeout (default: 5)")
     add("--calls", type=int, default=200_000, help="logging: log() calls per timing (default: 200000)")
-    add("--block", type=int, default=25, help="logging: training steps per block (default: 25)")
-    add("--blocks", type=int, default=60, help="logging: blocks of each kind per cell (default: 60)")
+    add("--block", type=int, default=25, help="logging, seeing: training steps per block (default: 25)")
+    add("--blocks", type=int, default=60, help="logging, seeing: blocks of each kind per cell (default: 60)")
     add("--markdown", type=Path, default=RESULTS / "peers.md", help="peers: the table (default: %(default)s)")
     return parser
 

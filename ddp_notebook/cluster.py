@@ -428,7 +428,7 @@ class DDPCluster:
         waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
         self._require_running(allow_broken=True)
         assert self._supervisor is not None
-        return self._supervisor.collectives(self._select(ranks))
+        return self._supervisor.collectives(self._select(ranks), full=True)
 
     def debug(self, rank: int | None = None) -> None:
         """pdb, in the notebook, on `rank`'s last failed cell (default: the root cause of the last

@@ -38,6 +38,9 @@ DEATH_GRACE_SECONDS = 3.0
 RELEASE_AFTER_SECONDS = 1.0
 # once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
 COLLECTIVES_CHECK_SECONDS = 0.25
+# after ranks in mismatched collectives were released, how long they get to fail and reply (they
+# fail at once; the margin is for a loaded machine, and the wait ends when they have replied)
+MISMATCH_GRACE_SECONDS = 10.0
 
 
 class CellSupervisor(Protocol):
@@ -302,7 +305,7 @@ class CellRelay:
         if self.mismatch is not None:
             # every rank shuts its side: a blocked rank sees its own shutdown late, its peer's at once
             supervisor.release_blocked(self._ranks)
-            clock.stop_at = time.monotonic() + DEATH_GRACE_SECONDS
+            clock.stop_at = time.monotonic() + MISMATCH_GRACE_SECONDS
 
     def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
         if clock.release_at is None and self._some_failed():

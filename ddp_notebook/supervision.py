@@ -146,13 +146,14 @@ class WorldSupervisor:
             lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames)}{seen}")
         return "\n".join(lines)
 
-    def collectives(self, ranks: tuple[int, ...]) -> dict[int, xray.RankCollectives]:
-        """The collective X-ray of `ranks` on this host (answered while they are blocked)."""
+    def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:
+        """The collective X-ray of `ranks` on this host (answered while they are blocked); light
+        unless `full` (see xray.read_ranks)."""
         here = socket.gethostname()
         local = [info.rank for info in self._infos(ranks) if info.host == here]
         if not local or self.stack_dir is None:
             return {}
-        return xray.read_ranks(self.stack_dir, local)
+        return xray.read_ranks(self.stack_dir, local, full)
 
     def debug(self, rank: int) -> None:
         """Drive `rank`'s waiting pdb session from the notebook until the user continues or quits."""

@@ -62,6 +62,7 @@ class RankCollectives:
     steps: StepTimes | None = None  # its recent training steps, phase by phase (`timing`)
     memory: Mapping[str, int] = field(default_factory=dict)  # rss, and cuda_* where it uses a GPU
     debugger: bool = False  # a pdb session on it waits for the user
+    last_done: int = 0  # the sequence number of its last finished collective (also when history is empty)
 
     @property
     def current(self) -> Collective | None:
@@ -70,7 +71,7 @@ class RankCollectives:
 
     @property
     def last_seq(self) -> int:
-        return max((c.seq for c in self.history), default=0)
+        return max([c.seq for c in self.history] + [self.last_done])
 
     @property
     def waited(self) -> float:
@@ -115,6 +116,7 @@ def parse_report(rank: int, answer: Mapping[str, Any]) -> RankCollectives:
         steps=StepTimes.parse(answer.get("steps")),
         memory={str(k): int(v) for k, v in (answer.get("memory") or {}).items()},
         debugger=bool(answer.get("debugger")),
+        last_done=int(answer.get("last_done") or 0),
     )
 
 
@@ -137,11 +139,12 @@ def ask(
     return answer if isinstance(answer, dict) and "error" not in answer else None
 
 
-def read_ranks(directory: str, ranks: Iterable[int]) -> dict[int, RankCollectives]:
-    """The X-ray of `ranks` (those of this host that answered)."""
+def read_ranks(directory: str, ranks: Iterable[int], full: bool = True) -> dict[int, RankCollectives]:
+    """The X-ray of `ranks` (those of this host that answered). `full=False`: a light reading, with
+    a running collective only once it has run a moment (what a running cell's watch asks)."""
     found = {}
     for rank in ranks:
-        answer = ask(directory, rank, "report")
+        answer = ask(directory, rank, "report", full=full)
         if answer is not None:
             found[rank] = parse_report(rank, answer)
     return found

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 # entries torch's flight recorder keeps per process (read when the first group is made)
-FLIGHT_RECORDER_SIZE = "100"
+FLIGHT_RECORDER_SIZE = "20"
 # how many finished collectives a report carries
 REPORTED_HISTORY = 5
+# a collective still running after this long is read from the recorder in a light report
+STABLE_SECONDS = 0.2
 # how the flight recorder names the default group (subgroups from new_group have names of their own)
 _DEFAULT_GROUP = "default_pg"
 
@@ -44,6 +46,7 @@ def before_group() -> None:
     _state["sockets_before"] = frozenset(_open_sockets().items())
     # the recorder outlives groups: entries older than this belong to a group a heal replaced
     _state["group_made_ns"] = time.time_ns()
+    _state["default_pg_id"] = _state["pending"] = None
 
 
 def serve(directory: str, rank: int) -> None:
@@ -77,7 +80,7 @@ def _answer_forever(server: socket.socket) -> None:
             connection.settimeout(2.0)
             try:
                 request = json.loads(connection.makefile("r", encoding="utf8").readline() or "{}")
-                answer = _answer(request.get("ask", ""), request.get("line"))
+                answer = _answer(request.get("ask", ""), request.get("line"), bool(request.get("full", True)))
                 connection.sendall((json.dumps(answer) + "\n").encode())
             except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
                 try:
@@ -86,9 +89,9 @@ def _answer_forever(server: socket.socket) -> None:
                     pass
 
 
-def _answer(ask: str, line: str | None) -> dict[str, Any]:
+def _answer(ask: str, line: str | None, full: bool) -> dict[str, Any]:
     if ask == "report":
-        return report()
+        return report(full)
     if ask == "release":
         return {"released": release_connections()}
     if ask == "debug":
@@ -98,15 +101,21 @@ def _answer(ask: str, line: str | None) -> dict[str, Any]:
     return {"error": f"unknown request {ask!r}"}
 
 
-def report() -> dict[str, Any]:
-    """The default group's recent collectives, the one(s) still running, and the main thread's cell line."""
-    entries = _flight_recorder_entries()
+def report(full: bool = True) -> dict[str, Any]:
+    """The default group's recent collectives, the one(s) still running, and the main thread's cell line.
+
+    `full=False` (what the notebook asks 4 times a second while a cell runs) reads the flight
+    recorder's entries only for a collective that has been running since the last such report
+    at least STABLE_SECONDS ago: a full dump costs milliseconds, its status line microseconds.
+    """
+    entries, last_done = _collectives(full)
     line, in_cell = _main_thread_cell_line()
     from .debugger import status
     from .timing import CLOCK
 
     return {
         "entries": entries,
+        "last_done": last_done,
         "cell_line": line,
         "in_cell": in_cell,
         "now_ns": time.time_ns(),
@@ -114,6 +123,42 @@ def report() -> dict[str, Any]:
         "memory": _memory(),
         "debugger": status(),
     }
+
+
+def _collectives(full: bool) -> tuple[list[dict[str, Any]], int]:
+    """(entries, sequence number of the last finished collective) of the default group."""
+    progress = _default_group_progress()
+    if progress is None:  # unknown until this group's first collective is in the recorder
+        entries = _flight_recorder_entries()
+        return entries, max((e["seq"] for e in entries if e["retired"]), default=0)
+    enqueued, done = progress
+    if full:
+        return _flight_recorder_entries(), done
+    if enqueued <= done:
+        _state["pending"] = None
+        return [], done
+    pending, now = _state.get("pending"), time.monotonic()
+    if pending is None or pending[0] != done + 1:
+        _state["pending"] = (done + 1, now)  # a collective began: look closer if it is still there next time
+        return [], done
+    if now - pending[1] < STABLE_SECONDS:
+        return [], done
+    return [e for e in _flight_recorder_entries() if not e["retired"]], done
+
+
+def _default_group_progress() -> tuple[int, int] | None:
+    """(last enqueued, last finished) sequence numbers of the default group, from the recorder's status."""
+    group = _state.get("default_pg_id")
+    if group is None:
+        return None
+    try:
+        import torch
+
+        status = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(False, False))["pg_status"]
+        mine = status[str(group)]
+        return int(mine["last_enqueued_collective"]), int(mine["last_completed_collective"])
+    except Exception:  # noqa: BLE001  (no status for it yet)
+        return None
 
 
 def _memory() -> dict[str, int]:
@@ -144,6 +189,8 @@ def _flight_recorder_entries() -> list[dict[str, Any]]:
         return []
     default = [e for e in dump.get("entries", []) if _DEFAULT_GROUP in e.get("process_group", ())]
     default = [e for e in default if e.get("time_created_ns", 0) >= _state.get("group_made_ns", 0)]
+    if default:
+        _state["default_pg_id"] = default[-1].get("pg_id")  # its status line is then enough
     running = [e for e in default if not e.get("retired")]
     done = [e for e in default if e.get("retired")][-REPORTED_HISTORY:]
     return [_entry(e) for e in done + running]
