@@ -609,6 +609,11 @@ class Seeing(Scenario):
     def supports(self, name: str) -> str | None:
         return None if name in ("ddp_notebook", "ddp_kernel") else "no step timing"
 
+    def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
+        body = f"{WORKLOAD}cost = dict(train_workload.strict_cost(200), rank=rank)\n"
+        cell = subject.cell(body + 'print("BENCH_COST " + json.dumps(cost))', 300.0, expect=lambda t: "BENCH_COST" in t)
+        notes["strict_us"] = [json.loads(m) for m in re.findall(r"BENCH_COST (\{.*\})", cell.text)]
+
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
         s = run.s
         body = f"{WORKLOAD}blocks = train_workload.timing_blocks({s.blocks}, {s.block}, {s.warmup})\n"
@@ -637,6 +642,13 @@ class Seeing(Scenario):
             polling = report_us * 4 / 1e6  # 4 reports a second: the share of one rank's time
             summary[name] = {"step_ms": step_ms, "with_over_without": with_, "control_over_without": control}
             summary[name] |= {"report_us": report_us, "polling_share": polling}
+            for cost in entry["notes"].get("strict_us", []):
+                summary[name].setdefault("strict_us", []).append(cost)
+                sizes = ", ".join(
+                    f"{size} floats {cost[f'plain_{size}_us']:.0f} -> {cost[f'checked_{size}_us']:.0f} us"
+                    for size in (1, 262144)
+                )
+                print(f"   strict mode, rank {cost['rank']}: dist.all_reduce of {sizes}")
             print(f"{entry['label']}: ms per step without {step_ms['without']:.3f}, control {step_ms['control']:.3f},")
             print(f"   with step timing {step_ms['with']:.3f}; time per step with/without {with_[0]:.4f} ", end="")
             print(f"(95% {with_[1]:.4f}-{with_[2]:.4f}); control/without {control[0]:.4f} ", end="")

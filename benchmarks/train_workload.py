@@ -196,6 +196,25 @@ def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]
     return seconds
 
 
+def strict_cost(calls: int) -> dict[str, float]:
+    """Microseconds per `dist.all_reduce` of 1 and of 262144 floats (1 MiB), plain and checked
+    (`ddp_notebook.check_collectives`, the strict mode), alternating blocks of `calls` calls."""
+    import ddp_notebook
+
+    found: dict[str, list[float]] = {}
+    for size in (1, 262144):
+        tensor = torch.ones(size)
+        for kind in ("plain", "checked", "plain", "checked"):
+            ddp_notebook.check_collectives(kind == "checked")
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor)
+            found.setdefault(f"{kind}_{size}_us", []).append((time.perf_counter() - began) / calls * 1e6)
+    ddp_notebook.check_collectives(False)
+    return {key: min(values) for key, values in found.items()}
+
+
 # ---------------------------------------------------------------- under torchrun
 
 

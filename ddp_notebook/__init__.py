@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         shard_model,
     )
+    from .strict import check_collectives
 
 _RANK_HELPERS = (
     "barrier",
@@ -88,6 +89,7 @@ __all__ = [
     "__version__",
     "barrier",
     "breakpoint",
+    "check_collectives",
     "is_main",
     "load_checkpoint",
     "load_ipython_extension",
@@ -111,6 +113,10 @@ def __getattr__(name: str) -> Any:
         from .debugger import breakpoint
 
         return breakpoint
+    if name == "check_collectives":
+        from .strict import check_collectives
+
+        return check_collectives
     if name in _RANK_HELPERS:
         from . import rank
 

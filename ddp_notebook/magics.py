@@ -140,6 +140,11 @@ class DDPMagics(Magics):
         help="start the ranks even if they do not fit this machine's cores or memory (refused otherwise)",
     )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
+    @argument(
+        "--check-collectives",
+        action="store_true",
+        help="strict mode: the ranks compare op and shapes before each collective (ddp_notebook.check_collectives)",
+    )
     @line_magic
     @_usage_errors
     def ddp_start(self, line: str) -> None:
@@ -151,8 +156,11 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp_start, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         _check_backend(args.backend)
-        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")))
+        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart", "check_collectives")))
         self._start(world, args.restart)
+        if args.check_collectives and world.running:
+            world.execute("ddp_notebook.check_collectives()", stream=False)
+            print("strict mode: every collective of the default group is checked (op, shapes) before it runs")
 
     @magic_arguments()
     @argument(

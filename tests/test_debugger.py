@@ -57,8 +57,9 @@ def run_answering(
 def kernel() -> Iterator[Kernel]:
     kernel = Kernel()
     try:
-        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
-        assert error is None, out
+        # strict mode on: the sessions below run with every collective checked first
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --check-collectives")
+        assert error is None and "strict mode: every collective of the default group is checked" in out, out
         yield kernel
     finally:
         try:
@@ -115,3 +116,14 @@ def test_post_mortem_on_the_failing_rank(kernel: Kernel) -> None:
     assert prompts[0] == "[rank 0] (Pdb) "
     assert "ZeroDivisionError" in out and "return 1 / (w - w)" in out
     assert "[rank 0] 6\n" in out  # w on rank 0, the root cause
+
+
+def test_strict_mode_stops_a_size_mismatch_before_gloo_sees_it(kernel: Kernel) -> None:
+    # without strict mode gloo aborts the receiving rank's process on this one
+    out, error = kernel.run("%%ddp\nx = torch.ones(5 + rank)\ndist.all_reduce(x)")
+    assert error == "RankError", out
+    assert "collective mismatch caught before it ran (nothing was sent)" in out
+    assert "rank 0 calls all_reduce(float32[5]); rank 1 calls all_reduce(float32[6])" in out
+    out, error = kernel.run("%%ddp\ny = torch.ones(2)\ndist.all_reduce(y)\nprint('still', y.tolist(), x.shape[0])")
+    assert error is None and "[rank 1] still [2.0, 2.0] 6" in out, out
+    assert "set up again" not in out  # nothing broke: no heal was needed

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ddp_notebook import DDPCluster
+from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.stragglers import StepTimes, find_straggler
 from ddp_notebook.xray import Collective, CollectiveMismatchError, MismatchWatch, RankCollectives, find_mismatch
 from tests.conftest import shared_world
@@ -220,3 +220,21 @@ def test_a_rank_50_ms_slower_is_named_with_its_phase_within_20_steps(
     for rank in (0, 2):  # its peers wait for it in communication
         steps = readings[rank].steps
         assert steps is not None and steps.comm > 0.03, steps
+
+
+@pytest.mark.integration
+def test_strict_mode_names_each_ranks_call_and_the_group_stays_whole(world3: DDPCluster) -> None:
+    world3.execute("ddp_notebook.check_collectives()\nx = torch.ones(3)\ndist.all_reduce(x)")
+    try:
+        with pytest.raises(RankError) as caught:
+            world3.execute("if rank == 2:\n    dist.broadcast(x, 0)\nelse:\n    dist.all_reduce(x)")
+        assert sorted(f.rank for f in caught.value.failures) == [0, 1, 2]
+        assert {f.ename for f in caught.value.failures} == {"CollectiveMismatch"}
+        said = caught.value.root_cause.evalue
+        assert "rank 0 calls all_reduce(float32[3]); rank 1 calls all_reduce(float32[3]); " in said
+        assert "rank 2 calls broadcast(float32[3], src=0)" in said
+        assert "set up again" not in caught.value.note and world3.state == "healthy"
+        world3.execute("dist.all_reduce(x)")
+        assert {r: v.tolist() for r, v in world3.pull("x").items()} == {r: [9.0] * 3 for r in range(3)}
+    finally:
+        world3.execute("ddp_notebook.check_collectives(False)")
