@@ -638,10 +638,16 @@ class Seeing(Scenario):
             step_ms = {kind: sum(blocks[kind]) / (len(blocks[kind]) * s.block) * 1e3 for kind in kinds}
             with_ = mean_interval([b / a for a, b in zip(blocks["without"], blocks["with"])])
             control = mean_interval([b / a for a, b in zip(blocks["without"], blocks["control"])])
+            cpu_with = mean_interval([b / a for a, b in zip(blocks["cpu_without"], blocks["cpu_with"])])
+            cpu_control = mean_interval([b / a for a, b in zip(blocks["cpu_without"], blocks["cpu_control"])])
             report_us = statistics.median(blocks["report_us"])
             polling = report_us * 4 / 1e6  # 4 reports a second: the share of one rank's time
             summary[name] = {"step_ms": step_ms, "with_over_without": with_, "control_over_without": control}
             summary[name] |= {"report_us": report_us, "polling_share": polling}
+            summary[name] |= {"cpu_with_over_without": cpu_with, "cpu_control_over_without": cpu_control}
+            print(f"   rank 0's CPU time per block with/without {cpu_with[0]:.4f} (95% {cpu_with[1]:.4f}-", end="")
+            print(f"{cpu_with[2]:.4f}); control/without {cpu_control[0]:.4f} ", end="")
+            print(f"({cpu_control[1]:.4f}-{cpu_control[2]:.4f})")
             for cost in entry["notes"].get("strict_us", []):
                 summary[name].setdefault("strict_us", []).append(cost)
                 sizes = ", ".join(

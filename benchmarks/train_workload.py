@@ -175,7 +175,7 @@ def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]
         plain(index)
         prepared(index)
     _sync(device)
-    seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    seconds: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
     for round_index in range(rounds):
         for kind in (KINDS[i] for i in ORDERS[round_index % len(ORDERS)]):
             if kind == "with":
@@ -183,10 +183,11 @@ def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]
             else:
                 timing.remove_optimizer_hooks()
             step = prepared if kind == "with" else plain
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             for index in range(block):
                 step(index)
             seconds[kind].append(time.perf_counter() - began)
+            seconds[f"cpu_{kind}"].append(time.process_time() - cpu_began)
     timing._install_optimizer_hooks()
     calls = 200
     began = time.perf_counter()
