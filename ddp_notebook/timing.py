@@ -4,15 +4,15 @@ communication and the optimizer, for models from `prepare_model` and loaders fro
 A step runs from one forward of a prepared model to the next. Inside it:
 
 - data: time spent in the prepared loader's `next()`;
-- communication: from the last gradient this rank produced (a post-accumulate-grad hook on every
-  parameter) to the end of backward; DDP's backward ends only once its all-reduces are done, so
-  this is the time the rank waited for its peers' gradients;
+- communication: from the gradient of the model's first parameter (about the last one backward
+  computes; a post-accumulate-grad hook) to the end of backward; DDP's backward ends only once its
+  all-reduces are done, so this is the time the rank waited for its peers' gradients;
 - optimizer: inside `Optimizer.step` (torch's global step hooks);
 - compute: the rest (forward, backward, and the user's own code in the loop).
 
 A rank that is slow in compute makes its peers wait in communication, so the straggler is the
-rank with the most time outside communication. A few `perf_counter` calls per step and one
-Python call per parameter gradient: the overhead is measured by benchmarks/xray_overhead.py.
+rank with the most time outside communication. A few Python calls per step: the overhead is
+measured by `python benchmarks/run.py seeing`.
 """
 
 from __future__ import annotations
@@ -119,9 +119,12 @@ def watch_model(model: Any) -> None:
     """Time the steps of `model` (a DDP wrapper): its forwards and its parameters' gradients."""
     _install_optimizer_hooks()
     model.register_forward_pre_hook(lambda _module, _args: CLOCK.forward_started())
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            parameter.register_post_accumulate_grad_hook(lambda _p: CLOCK.gradient_ready())
+    # backward runs in about the reverse order of forward (DDP's buckets count on it), so the
+    # first parameter's gradient is about the last one this rank computes; one hook, not one per
+    # parameter: each Python call from autograd costs microseconds
+    first = next((p for p in model.parameters() if p.requires_grad), None)
+    if first is not None:
+        first.register_post_accumulate_grad_hook(lambda _p: CLOCK.gradient_ready())
 
 
 def _install_optimizer_hooks() -> None:
