@@ -45,14 +45,14 @@ def _device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def _setup(seed: int, wrap: Any = DistributedDataParallel) -> tuple[Any, torch.device]:
-    """The DDP model (`wrap` makes it), its optimizer and a step function over this rank's synthetic batches."""
+def _setup(seed: int) -> tuple[Any, torch.device]:
+    """The DDP model, its optimizer and a step function over this rank's synthetic batches."""
     rank, device = dist.get_rank(), _device()
     torch.manual_seed(seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
     ).to(device)
-    ddp = wrap(model)
+    ddp = _setup.last_model = DistributedDataParallel(model)  # type: ignore[attr-defined]
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     inputs = torch.randn(DISTINCT_BATCHES, BATCH_PER_RANK, IN_FEATURES, generator=generator).to(device)
@@ -163,32 +163,30 @@ def log_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
 
 
 def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per block of `block` training steps: a plain DDP model ("without"), the same again
-    (a control), and one from ddp_notebook.prepare_model, timed phase by phase ("with"); plus
-    microseconds per X-ray report (what the notebook asks each rank 4 times a second in a cell)."""
-    import ddp_notebook
+    """Seconds (wall and CPU) per block of `block` training steps of one DDP model: as it is
+    ("without"), the same again (a control), and with prepare_model's step timing hooked on
+    ("with"; its hooks and torch's global optimizer hooks are taken off again after the block);
+    plus microseconds per light X-ray reading (what the notebook asks each rank 4 times a second
+    while a cell runs)."""
     from ddp_notebook import timing, xray_rank
 
-    plain, device = _setup(0)
-    prepared, _ = _setup(0, wrap=ddp_notebook.prepare_model)
+    step, device = _setup(0)
+    model = _setup.last_model  # type: ignore[attr-defined]
     for index in range(warmup):
-        plain(index)
-        prepared(index)
+        step(index)
     _sync(device)
     seconds: dict[str, list[float]] = {name: [] for kind in KINDS for name in (kind, f"cpu_{kind}")}
     for round_index in range(rounds):
         for kind in (KINDS[i] for i in ORDERS[round_index % len(ORDERS)]):
-            if kind == "with":
-                timing._install_optimizer_hooks()
-            else:
-                timing.remove_optimizer_hooks()
-            step = prepared if kind == "with" else plain
+            handles = timing.watch_model(model) if kind == "with" else []
             began, cpu_began = time.perf_counter(), time.process_time()
             for index in range(block):
                 step(index)
             seconds[kind].append(time.perf_counter() - began)
             seconds[f"cpu_{kind}"].append(time.process_time() - cpu_began)
-    timing._install_optimizer_hooks()
+            for handle in handles:
+                handle.remove()
+            timing.remove_optimizer_hooks()
     calls = 200
     began = time.perf_counter()
     for _ in range(calls):

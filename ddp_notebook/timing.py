@@ -115,16 +115,18 @@ def remove_optimizer_hooks() -> None:
     _installed.clear()
 
 
-def watch_model(model: Any) -> None:
-    """Time the steps of `model` (a DDP wrapper): its forwards and its parameters' gradients."""
+def watch_model(model: Any) -> list[Any]:
+    """Time the steps of `model` (a DDP wrapper): its forwards and its parameters' gradients.
+    Returns the hooks' handles (`handle.remove()` stops it)."""
     _install_optimizer_hooks()
-    model.register_forward_pre_hook(lambda _module, _args: CLOCK.forward_started())
+    handles = [model.register_forward_pre_hook(lambda _module, _args: CLOCK.forward_started())]
     # backward runs in about the reverse order of forward (DDP's buckets count on it), so the
     # first parameter's gradient is about the last one this rank computes; one hook, not one per
     # parameter: each Python call from autograd costs microseconds
     first = next((p for p in model.parameters() if p.requires_grad), None)
     if first is not None:
-        first.register_post_accumulate_grad_hook(lambda _p: CLOCK.gradient_ready())
+        handles.append(first.register_post_accumulate_grad_hook(lambda _p: CLOCK.gradient_ready()))
+    return handles
 
 
 def _install_optimizer_hooks() -> None:
