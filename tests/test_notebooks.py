@@ -120,6 +120,71 @@ def check_multi_node(text: str) -> None:
     assert "skipped: no Slurm cluster answers here" in text or "world of 2 ranks (gloo)" in text
 
 
+FRAMEWORKS = {  # what each framework says about the world it found, on each rank
+    "Lightning": "world size 2, global rank {rank}, environment TorchElasticEnvironment",
+    "Accelerate": None,
+    "HF Trainer": "world size 2, process index {rank}, ParallelMode.DISTRIBUTED",
+    "FSDP2": "this rank holds 64 of the 128 values of layers.0.weight",
+}
+
+
+def check_frameworks(text: str) -> None:
+    """Each framework ran on 2 ranks as under torchrun: its world, its data split, equal parameters, one bar."""
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] RANK={rank}, LOCAL_RANK={rank}, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, GROUP_WORLD_SIZE=1, "
+            f"ROLE_RANK={rank} | started like torchrun: True" in text
+        )
+    assert "[rank 0] Accelerate: 2 processes, DistributedType.MULTI_CPU" in text
+    assert "[rank 1] Accelerate: 2 processes" not in text, "accelerator.print prints on rank 0 only"
+    sums = {}
+    for framework, world in FRAMEWORKS.items():
+        name = re.escape(framework)
+        if world:
+            for rank in (0, 1):
+                assert f"[rank {rank}] {framework}: {world.format(rank=rank)}\n" in text, framework
+        # computed on each rank: the parameters it ended with, summed
+        lines = re.findall(
+            rf"^\[rank (\d)\] {name}: (\d+) rows per epoch on this rank, parameter sum (-?[\d.]+)$", text, re.MULTILINE
+        )
+        assert sorted(rank for rank, _, _ in lines) == ["0", "1"], (framework, lines)
+        assert len({total for _, _, total in lines}) == 1, f"{framework}: ranks ended with different parameters"
+        sums[framework] = float(lines[0][2])
+        # the first epoch, gathered on rank 0: each rank its half (Accelerate pads), together every row
+        split = re.search(
+            rf"^\[rank 0\] {name}: first epoch: rows per rank \[(\d+), (\d+)\], (\d+) of 120 rows "
+            rf"covered, (\d+) shown twice \(padding\)$",
+            text,
+            re.MULTILINE,
+        )
+        assert split, framework
+        first, second, covered, twice = map(int, split.groups())
+        assert first == second == int(lines[0][1]) and covered == 120 and first + second - twice == 120
+        assert first <= 64, f"{framework}: a rank saw more than its half of the rows"
+        verdict = re.search(
+            rf"^\[rank 0\] {name}: parameters equal on all 2 ranks: (\w+); test accuracy ([\d.]+)%$", text, re.MULTILINE
+        )
+        assert verdict and verdict.group(1) == "True", framework
+        assert float(verdict.group(2)) >= 80.0, f"{framework} did not learn: {verdict.group(2)}%"
+    # one progress bar per framework, rank 0's, redrawn in place: Lightning's rich bar (where rich is
+    # installed) ends at its last epoch; its tqdm bar is a widget, shown once
+    lightning_bars = re.findall(r"^Epoch (\d+)(/19)?", text, re.MULTILINE)
+    assert len(lightning_bars) == 1 and lightning_bars[0] in (("19", "/19"), ("0", "")), lightning_bars
+    assert text.count("Accelerate epochs:") == 1 and text.count("FSDP2 epochs:") == 1
+    # the sharded checkpoint, with the optimizer's momentum, loaded in the notebook's own process
+    momentum = set(re.findall(r"^\[rank \d\] FSDP2: sum of \|momentum\| ([\d.]+)$", text, re.MULTILINE))
+    assert len(momentum) == 1
+    loaded = re.search(
+        r"^loaded in one process: parameter sum (-?[\d.]+), test accuracy ([\d.]+)%, momentum restored "
+        r"for 4 tensors \(sum of \|momentum\| ([\d.]+)\)$",
+        text,
+        re.MULTILINE,
+    )
+    assert loaded and "shards written: 2" in text
+    assert float(loaded.group(1)) == pytest.approx(sums["FSDP2"], abs=2e-5) and loaded.group(3) in momentum
+    assert text.count("process group up: True, sum of ranks + 1: 3.0") == 2
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -159,6 +224,8 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         check_notebook_to_script(text, tmp_path)
     if path.name == "06_multi_node.ipynb":
         check_multi_node(text)
+    if path.name == "09_frameworks.ipynb":
+        check_frameworks(text)
 
 
 def test_there_are_notebooks() -> None:
