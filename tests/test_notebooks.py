@@ -8,7 +8,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from tests.conftest import ExecutedNotebooks
 
 pytestmark = pytest.mark.notebook
 
@@ -186,21 +187,11 @@ def check_frameworks(text: str) -> None:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path: Path, tmp_path: Path) -> None:
-    notebook = nbformat.read(path, as_version=4)
-    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
-        f"{path.name} is committed with outputs; clear them"
-    )
-    shutil.copy(path, tmp_path / path.name)
-    NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-    for index, cell in enumerate(notebook.cells):
-        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-        if "raises-exception" in cell.metadata.get("tags", []):
-            assert errors, f"cell {index} is tagged raises-exception but raised nothing"
-        else:
-            assert errors == [], f"cell {index} failed: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> None:
+    # executed once per session, shared with the docs site's build (tests/conftest.py)
+    run = executed_notebooks.get(path)
+    notebook, tmp_path = run.notebook, run.folder
+    assert executed_notebooks.runner.failed_cells(notebook) == []
     text = outputs_text(notebook)
     assert "stopped the world" in text, "every notebook ends by stopping its world"
     if path.name == "01_quickstart.ipynb":
