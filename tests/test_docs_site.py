@@ -1,11 +1,12 @@
-"""The docs site: built from the notebooks this session executed, then read in chromium.
+"""The docs site: built from the notebooks this test run executed, then read in chromium.
 
 The build is docs/build.py's (Sphinx, warnings are errors: a broken internal link, a reference
 that does not resolve, a widget with no static form, a notebook without its executed copy fail
 it), from the notebooks tests/conftest.py executed once for the whole session. Then every page
 is opened in Debian's chromium (Playwright, as tests/test_browser.py drives it): it renders,
 its figures are drawn, its images load, and no cell shows an error it was not meant to show.
-Skipped, with the reason, where the docs extra, chromium or Playwright is missing.
+Skipped, with the reason, where the docs extra (the build) or chromium or Playwright (the
+reading) is missing.
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ PAGE_JS = """() => {
 ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|Error displaying widget|[A-Za-z]*Box\(children=|Widget\(")
 
 
-def missing_requirement() -> str | None:
+def missing_docs_extra() -> str | None:
     if importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_nb") is None:
         return "the docs extra is not installed (pip install -e '.[docs]'; .ci/install does)"
+    return None
+
+
+def missing_browser() -> str | None:
     if not CHROMIUM.exists():
         return f"no chromium at {CHROMIUM} (apt-get install chromium; .ci/install does)"
     if importlib.util.find_spec("playwright") is None:
@@ -94,7 +99,7 @@ def shown_figures(notebook: nbformat.NotebookNode) -> int:
 @pytest.fixture(scope="module")
 def site(executed_notebooks: ExecutedNotebooks, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The built site: its folder, the build time, and each notebook's expected figure count."""
-    reason = missing_requirement()
+    reason = missing_docs_extra()
     if reason:
         pytest.skip(reason)
     executed = tmp_path_factory.mktemp("executed")
@@ -124,7 +129,18 @@ def test_tour_lists_every_notebook() -> None:
     assert listed == [path.name for path in NOTEBOOKS]
 
 
+def test_docs_site_builds(site: dict[str, Any]) -> None:
+    """Built without a warning (the build's own check), with a page per notebook and the root page."""
+    html = site["html"]
+    assert (html / "index.html").is_file() and (html / "docs" / "index.html").is_file()
+    assert sorted(p.stem for p in (html / "notebooks").glob("*.html")) == [p.stem for p in NOTEBOOKS]
+    assert (html / "_static" / "plotly.min.js").is_file()
+
+
 def test_docs_site_in_browser(site: dict[str, Any]) -> None:
+    reason = missing_browser()
+    if reason:
+        pytest.skip(reason)
     from playwright.sync_api import sync_playwright
 
     html = site["html"]
