@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddp_notebook.processes import OWNER_PID_ENV
+from ddp_notebook.processes import OWNER_PID_ENV, SLOT_ENV
 
 OWNER_POLL_SECONDS = 0.2
 
@@ -149,6 +149,7 @@ class _Template:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
+            _name_process("ddp-controller" if role == "controller" else f"ddp-rank{env.get(SLOT_ENV, '')}")
             _fresh_random_state()
             sys.argv = ["ddp_notebook.entrypoints", *argv]
             from ddp_notebook.entrypoints import controller_main, engine_main
@@ -176,6 +177,18 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _name_process(name: str) -> None:
+    """Name the process as `ps -o comm`, `top` and psutil's name() show it: a fork keeps the
+    template's command line, and this is what tells a rank from the controller."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # a name is a convenience; the process works without it
 
 
 def _fresh_random_state() -> None:

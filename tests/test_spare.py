@@ -38,6 +38,9 @@ def test_a_warmed_up_template_forks_the_next_worlds_controller_and_ranks(no_spar
         assert {psutil.Process(info.pid).ppid() for info in world.ranks} == {template_pid}
         controller = provisioner.controller_pid
         assert controller is not None and psutil.Process(controller).ppid() == template_pid
+        # a fork keeps the template's command line; its name says what it is (ps, top)
+        assert psutil.Process(controller).name() == "ddp-controller"
+        assert [psutil.Process(info.pid).name() for info in world.ranks] == ["ddp-rank0", "ddp-rank1"]
         assert (
             world.execute(
                 "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()", stream=False
