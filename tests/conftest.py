@@ -125,6 +125,13 @@ class ExecutedNotebooks:
         return run
 
 
+# the notebooks read it and run their short setting (the same cells, fewer steps)
+QUICK_NOTEBOOKS = {"DDP_NOTEBOOK_QUICK": "1"}
+
+
 @pytest.fixture(scope="session")
-def executed_notebooks(tmp_path_factory: pytest.TempPathFactory) -> ExecutedNotebooks:
-    return ExecutedNotebooks(tmp_path_factory)
+def executed_notebooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutedNotebooks]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in QUICK_NOTEBOOKS.items():
+            patch.setenv(name, value)  # the kernels inherit this process's environment
+        yield ExecutedNotebooks(tmp_path_factory)

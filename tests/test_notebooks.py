@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from tests.conftest import ExecutedNotebooks
 
@@ -186,6 +187,74 @@ def check_frameworks(text: str) -> None:
     assert text.count("process group up: True, sum of ranks + 1: 3.0") == 2
 
 
+RING_BYTES = re.compile(r"^N=(\d): each rank sent ([\d.]+)x to ([\d.]+)x the tensor; 2\(N-1\)/N = ([\d.]+)$", re.M)
+RING_TIMES = re.compile(r"^ +([\d,]+) +[\d.]+ +([\d.]+) +([\d.]+) +([\d.]+)$", re.MULTILINE)
+
+
+def check_ring_allreduce(notebook: nbformat.NotebookNode, text: str) -> None:
+    """The hand-written ring sums like dist.all_reduce; the animation is what the ranks recorded;
+    each rank sent 2(N-1)/N of the tensor; both all-reduces were timed at every size."""
+    assert "[rank 0] ring equals dist.all_reduce on rings of 2, 3 and 4 ranks, 1 to 1001 elements: True" in text
+    assert "every rank ends holding every rank's contribution in every chunk: True" in text
+    assert "after the reduce-scatter, the fully summed chunks of each rank: {0: [1], 1: [2], 2: [3], 3: [0]}" in text
+    animation, sent, timings = plotly_figures(notebook)
+    # the start, 3 reduce-scatter and 3 all-gather steps; rank r's chunk c labelled with the ranks summed in it
+    frames = animation["frames"]
+    assert len(frames) == 7
+    assert frames[0]["data"][0]["text"] == [[str(r)] * 4 for r in range(4)]
+    assert frames[-1]["data"][0]["z"] == [[4] * 4] * 4 and frames[-1]["data"][0]["text"][0][0] == "0+1+2+3"
+    # an arrow per rank from the chunk it sent to the next rank; none at the start
+    shown = [[arrow["visible"] for arrow in frame["layout"]["annotations"]] for frame in frames]
+    assert shown == [[False] * 4] + [[True] * 4] * 6
+    ratios = {int(n): (float(low), float(high), float(formula)) for n, low, high, formula in RING_BYTES.findall(text)}
+    assert sorted(ratios) == [2, 3, 4], ratios
+    for n, (low, high, formula) in ratios.items():
+        assert formula == pytest.approx(2 * (n - 1) / n, abs=0.001)
+        assert low == pytest.approx(2 * (n - 1) / n, abs=0.002) and high == pytest.approx(2 * (n - 1) / n, abs=0.002)
+    assert {trace["name"] for trace in sent["data"]} >= {"rank 0 (counted)", "rank 3 (counted)", "2(N-1)/N"}
+    rows = RING_TIMES.findall(text)
+    assert len(rows) >= 3 and all(float(ring) > 0 and float(gloo) > 0 for _, ring, gloo, _ in rows), rows
+    for _, ring, gloo, ratio in rows:
+        assert float(ratio) == pytest.approx(float(ring) / float(gloo), rel=0.05, abs=0.01)
+    assert [trace["name"] for trace in timings["data"]] == ["ring (isend/irecv)", "gloo dist.all_reduce"]
+    assert re.search(r"largest tensor \([\d.]+ MB\): the ring took [\d.]+x the time of gloo's all_reduce", text)
+
+
+def check_mingpt(notebook: nbformat.NotebookNode, text: str, folder: Path) -> None:
+    """The loss fell; after %ddp_restart training resumed at the snapshot's epoch; both runs drew every
+    rank's curve; the model wrote text."""
+    epochs = [(int(e), float(loss), m.start()) for m in EPOCH_LOSS.finditer(text) for e, loss in [m.groups()]]
+    resumed = re.search(r"\[rank 0\] resuming from the snapshot gpt_snapshot\.pt: (\d+) epochs run", text)
+    assert resumed and "[rank 0] no snapshot: starting at epoch 0 of" in text
+    done = int(resumed.group(1))
+    before = [epoch for epoch, _, at in epochs if at < resumed.start()]
+    after = [epoch for epoch, _, at in epochs if at > resumed.start()]
+    assert before == list(range(1, done + 1)) and after and after == list(range(done + 1, after[-1] + 1)), epochs
+    assert epochs[-1][1] < epochs[0][1], f"the loss did not fall: {epochs}"
+    assert text.count("'trainer' defined: False; snapshot on disk: True") == 2
+    # the snapshot the last epoch left, read back here
+    assert torch.load(folder / "gpt_snapshot.pt", map_location="cpu")["EPOCHS_RUN"] == after[-1]
+    # each training cell's live view: a loss curve per rank, one point per step
+    curves = [
+        sorted((trace["name"], trace["y"]["shape"][0]) for trace in model["_widget_data"])
+        for model in widget_models(notebook)
+        if model.get("_anywidget_id", "").endswith("FigureWidget")
+    ]
+    points = sorted(steps for curve in curves for name, steps in curve if name == "rank 0")
+    assert [[name for name, _ in curve] for curve in curves] == [["rank 0", "rank 1"]] * 2, curves
+    # the same steps per epoch in both runs: first run done epochs, the resumed one the rest
+    assert len(points) == 2 and any(a * (after[-1] - done) == b * done for a, b in (points, points[::-1])), (
+        points,
+        done,
+    )
+    sample = re.search(r"^\[rank 0\] sample:\n((?:\[rank 0\] .*\n?)+)", text, re.MULTILINE)
+    assert sample and sample.group(1).startswith("[rank 0] The ")
+    assert len(sample.group(1).replace("[rank 0] ", "")) > 100
+
+
+EPOCH_LOSS = re.compile(r"^\[rank 0\] epoch (\d+): mean training loss ([\d.]+); snapshot saved$", re.MULTILINE)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> None:
     # executed once per session, shared with the docs site's build (tests/conftest.py)
@@ -217,6 +286,10 @@ def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> Non
         check_multi_node(text)
     if path.name == "09_frameworks.ipynb":
         check_frameworks(text)
+    if path.name == "10_ring_allreduce.ipynb":
+        check_ring_allreduce(notebook, text)
+    if path.name == "11_mingpt.ipynb":
+        check_mingpt(notebook, text, tmp_path)
 
 
 def test_there_are_notebooks() -> None:
