@@ -1,16 +1,15 @@
 """The `frameworks` scenario: steps/s of Lightning, Accelerate, the HF Trainer, FSDP2 and plain DDP
 in `%%ddp` cells of a real kernel, each paired with the same code under torchrun.
 
-Both sides run one cell (under torchrun: one job, `train_workload.py --exec`) that trains with
-every framework in turn (`framework_workload.run`); the order of the frameworks rotates every
-round, the same on both sides, and which side goes first alternates (the harness's pairing).
-Ratios are per round and per framework: `%%ddp` over torchrun.
+Each round trains with one framework on both sides, one cell each (under torchrun: one job,
+`train_workload.py --exec`); the framework changes every round, in turn, and which side goes first
+alternates (the harness's pairing), so the two runs of a pair are seconds apart on a machine whose
+load changes by the minute. Ratios are per round: `%%ddp` over torchrun, then per framework.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Any
 
 from harness import BENCH_DIR, fmt, print_table, stats
@@ -37,7 +36,7 @@ class Frameworks(Scenario):
 
     name = "frameworks"
     default_subjects = ("ddp_kernel", "torchrun")
-    repeats = 5
+    repeats = 20  # rounds: 4 per framework
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
@@ -53,7 +52,7 @@ class Frameworks(Scenario):
             return f"not installed: {', '.join(missing)} (pip install -e '.[test]')"
         return super().supports(name)
 
-    def run_all(self, subject: Subject, run: Run, names: list[str]) -> dict[str, Any]:
+    def run_cell(self, subject: Subject, run: Run, names: list[str]) -> dict[str, Any]:
         s = run.s
         threads = "" if s.threads is None else f"torch.set_num_threads({s.threads})\n"
         body = CELL.format(threads=threads, bench=str(BENCH_DIR), names=names, steps=s.steps, warmup=s.warmup)
@@ -64,40 +63,46 @@ class Frameworks(Scenario):
         return json.loads(found.group(1))
 
     def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
-        self.run_all(subject, run, list(NAMES))  # untimed: imports and every framework's first run
+        self.run_cell(subject, run, list(NAMES))  # untimed: imports and every framework's first run
 
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
         turn = self.calls.get(subject.name, 0)
         self.calls[subject.name] = turn + 1
-        order = list(NAMES[turn % len(NAMES) :] + NAMES[: turn % len(NAMES)])  # the same rotation on both sides
-        result = self.run_all(subject, run, order)
-        return {"steps_per_s": result["steps_per_s"], "torch_threads": result["torch_threads"], "order": order}
+        framework = NAMES[turn % len(NAMES)]  # the same on both sides of a round
+        result = self.run_cell(subject, run, [framework])
+        rate = result["steps_per_s"][framework]
+        return {"framework": framework, "steps_per_s": rate, "torch_threads": result["torch_threads"]}
 
     def brief(self, sample: dict[str, Any]) -> str:
-        rates = ", ".join(f"{name} {sample['steps_per_s'][name]:.1f}" for name in NAMES)
-        return f"steps/s: {rates} ({sample['torch_threads']} thread(s))"
+        return f"{sample['framework']} {sample['steps_per_s']:.1f} steps/s ({sample['torch_threads']} thread(s))"
 
     def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
         summary: dict[str, Any] = {}
         rows = []
         ours = next((n for n in results if n != "torchrun"), None)
+        everything: list[float] = []
         for framework in NAMES:
-            entry: dict[str, Any] = {}
-            for name in results:
-                entry[name] = stats([x["steps_per_s"][framework] for x in results[name]["samples"]])
-            ratios = paired(results, ours, "torchrun", lambda x, f=framework: x["steps_per_s"][f]) if ours else []
+            only = {
+                name: {**entry, "samples": [x for x in entry["samples"] if x["framework"] == framework]}
+                for name, entry in results.items()
+            }
+            entry: dict[str, Any] = {name: stats([x["steps_per_s"] for x in only[name]["samples"]]) for name in only}
+            ratios = paired(only, ours, "torchrun", lambda x: x["steps_per_s"]) if ours else []
+            everything += ratios
             mine, theirs = entry.get(ours or "", {}).get("median"), entry.get("torchrun", {}).get("median")
             of_medians = mine / theirs if mine and theirs else None
             entry |= {"ratio": stats(ratios), "ratio_of_medians": of_medians}
             summary[framework] = entry
             rows.append([LABELS[framework], mine, theirs, ratio_text(ratios), fmt(of_medians, 3), len(ratios)])
-        print_table(["steps/s, median", "%%ddp", "torchrun", "x torchrun per round", "of medians", "rounds"], rows)
+        print_table(
+            ["steps/s, median", "%%ddp", "torchrun", "x torchrun: pairs' median (range)", "of medians", "pairs"], rows
+        )
         threads = {name: sorted({x["torch_threads"] for x in entry["samples"]}) for name, entry in results.items()}
-        print(f"torch threads per rank: {threads}; steps {s.steps} after {s.warmup} untimed, per framework and round")
+        print(f"torch threads per rank: {threads}; {s.steps} timed steps after {s.warmup} untimed per run")
         summary["threads"] = threads
-        all_ratios = [r for f in NAMES for r in paired(results, ours, "torchrun", lambda x, f=f: x["steps_per_s"][f])]
-        if all_ratios:
-            summary["median_ratio_all"] = statistics.median(all_ratios)
+        if everything:
+            summary["all_pairs"] = stats(everything)
+            print(f"every pair, all frameworks: median {ratio_text(everything)} over {len(everything)} pairs")
         return summary
 
 

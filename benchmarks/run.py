@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check(parser, args)
     exit_on_sigterm()
+    if args.json is not None:  # named from where the command was typed, before the move below
+        args.json = args.json.resolve()
     # ranks start as `python -m ...`, which puts the working directory first on sys.path:
     # never a checkout's root, so `import ddp_notebook` there finds the same package as here
     os.chdir(Path(__file__).resolve().parent)
