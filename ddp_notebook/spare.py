@@ -1,10 +1,11 @@
 """A rank template started before the first world, so that `%ddp_start` finds torch imported.
 
 Starting a template (one interpreter importing torch) takes a few seconds, most of a first
-`%ddp_start`; importing ipyparallel in the kernel takes most of a second more.
-`%load_ext ddp_notebook` (or `ddp_notebook.warm_up()`) starts a template and imports
-ipyparallel in the background; the next local world forks its processes from the template
-instead of starting its own. It is
+`%ddp_start`. `%load_ext ddp_notebook` (or `ddp_notebook.warm_up()`) starts one in the
+background; the next local world forks its processes from it instead of starting its own.
+(The kernel's own import of ipyparallel is not moved to a background thread: a package with
+circular imports, imported on two threads at once, can hand one of them a half-initialised
+module, as a `%ddp_start` or the user's own `import ipyparallel` racing it would.) It is
 the kernel's like every process of ours: it exits when the kernel dies (the template watches
 its owner), and `%ddp_stop` / `%unload_ext` end it if no world took it.
 
@@ -50,7 +51,6 @@ def start_spare(wait: float = 0.0) -> bool:
     global _spare, _signature, _atexit_registered
     if os.environ.get(SPARE_ENV, "1") == "0" or template.can_fork_ranks({}) is not None:
         return False
-    import_kernel_side()
     with _lock:
         spare = _spare
         if spare is None or not spare.running:
@@ -69,19 +69,6 @@ def start_spare(wait: float = 0.0) -> bool:
     except (TimeoutError, RuntimeError):
         return False
     return True
-
-
-def import_kernel_side() -> None:
-    """Import what starting a world imports in the kernel (ipyparallel), on a background thread."""
-
-    def run() -> None:
-        try:
-            import ipyparallel  # noqa: F401  (its client and Cluster)
-            from ipyparallel.cluster import launcher  # noqa: F401  (what provisioning/fork.py builds on)
-        except Exception:  # noqa: BLE001  (the same import runs again at the start and reports there)
-            pass
-
-    threading.Thread(target=run, name="ddp-warm-imports", daemon=True).start()
 
 
 def take_spare(rank_env: Mapping[str, str]) -> template.TemplateClient | None:
