@@ -23,7 +23,7 @@ include_patterns = [
     "docs/*.md",
     "notebooks/*.ipynb",
     "benchmarks/README.md",
-    "benchmarks/results/peers.md",
+    "benchmarks/results/*.md",
 ]
 # folders never worth walking into
 exclude_patterns = [".*", "**/.*", "build", "test-artifacts", "benchmarks/.peers-venv", "*.egg-info"]
