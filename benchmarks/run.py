@@ -17,17 +17,21 @@ import sys
 import time
 from pathlib import Path
 
+from framework_scenario import Frameworks
 from harness import RESULTS, exit_on_sigterm, machine_info, warm_file_cache, write_json
-from scenarios import SCENARIOS, Run, drive
+from scenarios import SCENARIOS, Run, Scenario, drive
 from subjects import SUBJECTS, world
 
 CASES = ("raise", "hang", "interrupt", "death")
 # opt-in failure cases (not in the default list, so `peers` does not run them on every tool)
 EXTRA_CASES = ("mismatch", "skipped")
+# run by name only (not by `all` or `peers`): frameworks needs the test extra and takes minutes
+BY_NAME: dict[str, Scenario] = {"frameworks": Frameworks()}
+CHOICES = SCENARIOS | BY_NAME
 # settings whose default depends on the scenario (and on `peers`, shorter runs of more subjects)
 DEFAULTS = {
-    "warmup": {"roundtrip": 20, "training": 30, "logging": 30, "seeing": 30},
-    "steps": {"training": 500},
+    "warmup": {"roundtrip": 20, "training": 30, "logging": 30, "seeing": 30, "frameworks": 20},
+    "steps": {"training": 500, "frameworks": 200},
     "peers": {"steps": 100},
 }
 
@@ -35,15 +39,15 @@ DEFAULTS = {
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("scenario", choices=[*SCENARIOS, "all", "peers"])
+    add("scenario", choices=[*CHOICES, "all", "peers"])
     add("--subjects", help=f"comma-separated, of: {', '.join(SUBJECTS)} (default: the scenario's own)")
     add("--ranks", type=int, default=2, help="ranks per world (default: 2)")
     add("--repeats", type=int, help="rounds, each measuring every subject (default: the scenario's own)")
     add("--json", type=Path, metavar="PATH", help="write every sample here (all: a directory; default results/)")
     add("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank (default: gloo)")
-    add("--warmup", type=int, help="untimed cells (roundtrip: 20) or steps (training, logging: 30) first")
+    add("--warmup", type=int, help="untimed cells (roundtrip: 20) or steps (training, logging: 30; frameworks: 20)")
     add("--cells", type=int, default=10, help="roundtrip: timed cells per subject per round (default: 10)")
-    add("--steps", type=int, help="training: timed steps per run (default: 500; peers: 100)")
+    add("--steps", type=int, help="training: timed steps per run (default: 500; peers: 100; frameworks: 200)")
     add("--threads", help="torch threads per rank, or 'default' for each tool's own (default: ddp_notebook's choice)")
     add("--cases", default=",".join(CASES), help=f"failures: which (default: {','.join(CASES)})")
     add("--hang-cap", type=float, default=35.0, help="seconds to wait for a failure report (default: 35)")
@@ -58,7 +62,7 @@ def make_parser() -> argparse.ArgumentParser:
 def settings(args: argparse.Namespace, scenario: str, peers: bool) -> argparse.Namespace:
     s = argparse.Namespace(**vars(args))
     s.scenario, s.peers = scenario, peers
-    picked = SCENARIOS[scenario]
+    picked = CHOICES[scenario]
     s.repeats = args.repeats or (picked.peers_repeats if peers else picked.repeats)
     for name in ("warmup", "steps"):
         if getattr(args, name) is None:
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check(parser, args)
     exit_on_sigterm()
+    if args.json is not None:  # named from where the command was typed, before the move below
+        args.json = args.json.resolve()
     # ranks start as `python -m ...`, which puts the working directory first on sys.path:
     # never a checkout's root, so `import ddp_notebook` there finds the same package as here
     os.chdir(Path(__file__).resolve().parent)
@@ -111,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         s = settings(args, name, peers)
         chosen = args.subjects.split(",") if args.subjects else None
-        subjects = chosen or (list(SUBJECTS) if peers else list(SCENARIOS[name].default_subjects))
+        subjects = chosen or (list(SUBJECTS) if peers else list(CHOICES[name].default_subjects))
         run, began = Run(s), time.monotonic()
         try:
-            results = drive(SCENARIOS[name], subjects, run)
+            results = drive(CHOICES[name], subjects, run)
             print()
-            summary = SCENARIOS[name].report(results, s)
+            summary = CHOICES[name].report(results, s)
         finally:
             leaked = run.finish()
         print(f"   ({time.monotonic() - began:.0f} s)\n")

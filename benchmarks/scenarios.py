@@ -30,6 +30,7 @@ INTERRUPT_AT = 1.5  # seconds into a hung cell, the stop button
 # the ratio each subject is shown against, where that subject runs too
 SAME_PATH = {"ddp_notebook": "ipyparallel", "ddp_kernel": "px_kernel", "nbdistributed": "px_kernel"}
 SAME_PATH |= {"accelerate": "px_kernel", "ddp_notebook_cold": "ddp_notebook"}
+SAME_PATH |= {"ddp_notebook_prewarmed": "ddp_notebook", "ddp_kernel_prewarmed": "ddp_kernel"}
 
 # ---------------------------------------------------------------- code run on the ranks (sees `rank`)
 

@@ -284,6 +284,28 @@ class DDPClusterColdSubject(DDPClusterSubject):
         return None
 
 
+class DDPClusterPrewarmedSubject(DDPClusterSubject):
+    """ddp_notebook after `warm_up()` (what `%load_ext` starts) had time to import torch: a notebook's
+    usual case, where `%ddp_start` runs a cell or more after `%load_ext`."""
+
+    name = "ddp_notebook_prewarmed"
+    label = "ddp_notebook `DDPCluster` after `warm_up()` (as after `%load_ext`)"
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        import ddp_notebook
+
+        return None if hasattr(ddp_notebook, "warm_up") else "this ddp_notebook has no warm_up()"
+
+    def open(self) -> dict[str, Any]:
+        import ddp_notebook
+
+        began = time.perf_counter()
+        if not ddp_notebook.warm_up(wait=SETUP_TIMEOUT):
+            raise RuntimeError("warm_up() found no template ready")
+        return {"warm_up_s": time.perf_counter() - began, **super().open()}
+
+
 class DirectViewSubject(InProcess):
     name = "ipyparallel"
     label = "ipyparallel `DirectView` by hand"
@@ -426,6 +448,7 @@ class Kernel:
 
 class KernelSubject(Subject):
     python: ClassVar[str] = sys.executable
+    untimed: ClassVar[tuple[str, ...]] = ()  # cells run before the clock starts
     setup: ClassVar[tuple[str, ...]] = ()
     stop: ClassVar[tuple[str, ...]] = ()
     guard: ClassVar[bool] = False
@@ -444,6 +467,9 @@ class KernelSubject(Subject):
         self.kernel = Kernel(self.python, self.environment())  # the kernel's own start is not timed
         if self.guard and self.kernel.run(PKILL_GUARD, SETUP_TIMEOUT).status != "ok":
             raise RuntimeError("could not install the pkill guard")
+        for code in self.untimed:
+            if self.kernel.run(code, SETUP_TIMEOUT).status != "ok":
+                raise RuntimeError(f"untimed setup cell {code.splitlines()[0]!r} failed")
         began = time.time()
         for code in self.setup:
             cell = self.kernel.run(code.format(ranks=self.s.ranks, backend=self.s.backend), SETUP_TIMEOUT)
@@ -499,6 +525,19 @@ class DDPKernelSubject(KernelSubject):
         if cell.status != "ok" or cell.elapsed is None:
             raise RuntimeError(f"%ddp_restart failed: {cell.text[-1000:]}")
         return cell.elapsed
+
+
+class DDPKernelPrewarmedSubject(DDPKernelSubject):
+    """`%ddp_start` a moment after `%load_ext` (untimed, as the kernel's own start), as a notebook runs them."""
+
+    name = "ddp_kernel_prewarmed"
+    label = "ddp_notebook `%%ddp`, `%ddp_start` after `%load_ext` had time to warm up"
+    untimed = ("%load_ext ddp_notebook\nimport ddp_notebook\nassert ddp_notebook.warm_up(wait=60)",)
+    setup = ("%ddp_start {ranks} --backend {backend}",)
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return DDPClusterPrewarmedSubject.unavailable()
 
 
 class PxKernelSubject(KernelSubject):
@@ -665,7 +704,9 @@ SUBJECTS: dict[str, type[Subject]] = {
     for kind in (
         DDPClusterSubject,
         DDPClusterColdSubject,
+        DDPClusterPrewarmedSubject,
         DDPKernelSubject,
+        DDPKernelPrewarmedSubject,
         DirectViewSubject,
         PxKernelSubject,
         TorchrunSubject,

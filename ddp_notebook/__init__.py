@@ -90,6 +90,7 @@ __all__ = [
     "barrier",
     "breakpoint",
     "check_collectives",
+    "discard_warm_up",
     "is_main",
     "load_checkpoint",
     "load_ipython_extension",
@@ -100,6 +101,7 @@ __all__ = [
     "save_checkpoint",
     "shard_model",
     "unload_ipython_extension",
+    "warm_up",
 ]
 
 
@@ -122,6 +124,26 @@ def __getattr__(name: str) -> Any:
 
         return getattr(rank, name)
     raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
+
+
+def warm_up(wait: float = 0.0) -> bool:
+    """Start a rank template now, so the next local world forks its processes from it (seconds faster).
+
+    `%load_ext ddp_notebook` does this for you. The template imports torch in the background
+    (no GPU is touched); it ends with the kernel, or with `discard_warm_up()` / `%ddp_stop`
+    if no world took it. `wait`: seconds to wait until it is ready. False where ranks cannot be
+    forked (not Linux), with DDP_NOTEBOOK_SPARE=0, or when it was not ready within `wait`.
+    """
+    from .spare import start_spare
+
+    return start_spare(wait)
+
+
+def discard_warm_up() -> None:
+    """End the template `warm_up()` started, if no world took it (harmless otherwise)."""
+    from .spare import discard_spare
+
+    discard_spare()
 
 
 def load_ipython_extension(ipython: Any) -> None:

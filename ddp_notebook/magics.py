@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import config, export, launchers, xray
+from . import config, export, launchers, spare, xray
 from .channel import Feed, Metrics, Recorder
 from .cluster import DDPCluster
 from .config import WorldConfig
@@ -259,6 +259,7 @@ class DDPMagics(Magics):
         if line.strip():
             raise DDPUsageError(f"%ddp_stop takes no arguments, got '{line.strip()}'")
         world, self.world = self.world, None
+        spare.discard_spare()  # nothing of ours outlives %ddp_stop, a template no world took included
         size = world.world_size if world is not None else 0
         if world is None or not world.stop():
             print("no DDP world is running; nothing to stop")
@@ -375,10 +376,13 @@ def load(ipython: Any) -> None:
     """Register the magics once per shell."""
     if ipython.magics_manager.registry.get("DDPMagics") is None:
         ipython.register_magics(DDPMagics(ipython))
+    # torch imported in the background while the user reads on: %ddp_start forks ranks from it
+    spare.start_spare()
 
 
 def unload(ipython: Any) -> None:
     """Stop the running world and remove the magics from the shell."""
+    spare.discard_spare()
     magics = ipython.magics_manager.registry.pop("DDPMagics", None)
     if magics is None:
         return

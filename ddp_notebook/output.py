@@ -64,6 +64,14 @@ class LineAssembler:
             self._partial[key] = rest
         return [_settle_carriage_returns(line) for line in complete]
 
+    def drawing(self, rank: int, stream: str) -> str | None:
+        """The latest drawing of an unfinished line that redraws itself with '\\r' (a text progress
+        bar such as plain tqdm's), or None: such a line is complete only when the bar closes."""
+        rest = self._partial.get((rank, stream), "")
+        if "\r" not in rest:
+            return None
+        return _settle_carriage_returns(rest) or None
+
     def flush(self, rank: int, stream: str) -> list[str]:
         """Return what is left of an unfinished last line, if anything."""
         rest = self._partial.pop((rank, stream), "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,11 @@ OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit
 OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
 SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
 PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
+
+
+def owner_environment() -> dict[str, str]:
+    """Tells the processes we start whose they are: they exit when this kernel dies."""
+    return {OWNER_PID_ENV: str(os.getpid()), OWNER_HOST_ENV: socket.gethostname()}
 
 
 def describe_exit(code: int | None, oom: OomVerdict | None = None) -> str:

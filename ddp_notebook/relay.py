@@ -12,6 +12,7 @@ import datetime
 import queue
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
@@ -19,7 +20,7 @@ from typing import Any, Protocol, TextIO
 from .errors import RankFailure, one_line
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
-from .output import LineAssembler, tag_lines
+from .output import LineAssembler, rank_prefix, tag_lines
 from .results import CellResult, MemoryReading
 from .xray import Mismatch, MismatchWatch, RankCollectives
 
@@ -41,6 +42,8 @@ COLLECTIVES_CHECK_SECONDS = 0.25
 # after ranks in mismatched collectives were released, how long they get to fail and reply (they
 # fail at once; the margin is for a loaded machine, and the wait ends when they have replied)
 MISMATCH_GRACE_SECONDS = 10.0
+# how often an unfinished text progress line (plain tqdm) is drawn again while a cell runs
+PROGRESS_DRAW_SECONDS = 0.5
 
 
 class CellSupervisor(Protocol):
@@ -84,6 +87,7 @@ class _WaitClock:
     next_death_check: float = 0.0
     next_memory_check: float = 0.0
     next_collectives_check: float = 0.0
+    next_progress_draw: float = 0.0
 
     def __post_init__(self) -> None:
         self.next_death_check = self.began + DEATH_CHECK_SECONDS
@@ -107,6 +111,11 @@ class OutputSink:
         self._collect = collect
         self._on_data = on_data
         self._on_memory = on_memory
+        self._live: dict[str, str] = {}  # stream -> the progress line drawn last, not yet ended
+
+    def _target(self, stream: str) -> TextIO:
+        # looked up at write time: IPython swaps sys.stdout per cell
+        return (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
 
     def memory(self, reading: MemoryReading) -> None:
         """A memory reading: to the live view; its warning, if any, to stderr at once (even
@@ -132,9 +141,27 @@ class OutputSink:
             store = self._collect.stderr if stream == "stderr" else self._collect.stdout
             store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
             return
-        # looked up at write time: IPython swaps sys.stdout per cell
-        target = (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
-        target.write(tag_lines(rank, lines))
+        text = tag_lines(rank, lines)
+        drawn = self._live.pop(stream, None)
+        if drawn is not None:  # these lines take the progress line's place ('\r'); it is drawn again below them
+            first, newline, rest = text.partition("\n")
+            text = "\r" + first.ljust(len(drawn)) + newline + rest
+        self._target(stream).write(text)
+
+    def live(self, rank: int, stream: str, drawing: str) -> None:
+        """Show the current drawing of a rank's unfinished progress line, in place of the previous one.
+
+        Written after '\\r' with no newline: the notebook (and a terminal) draw it over the last
+        one, so a text progress bar moves while the cell runs instead of appearing only when done.
+        """
+        if self._collect is not None:
+            return
+        line = f"{rank_prefix(rank)}{drawing}"
+        drawn = self._live.get(stream)
+        if line == drawn:
+            return
+        self._target(stream).write("\r" + line.ljust(len(drawn or "")))
+        self._live[stream] = line
 
     def flush(self) -> None:
         for target in (self._stdout or sys.stdout, self._stderr or sys.stderr):
@@ -163,6 +190,7 @@ class CellRelay:
         self.released = False  # whether finished ranks let go of the process group
         self.mismatch: Mismatch | None = None  # ranks found in collectives that can never match
         self._mismatch_watch = MismatchWatch()
+        self._displays = RankDisplays()
 
     def attach(self, async_result: Any) -> None:
         """Start relaying `async_result`'s messages; call right after sending the cell.
@@ -190,7 +218,7 @@ class CellRelay:
             if metadata[stream]:
                 self._queue.put(("stream", rank, stream, metadata[stream]))
         for output in metadata["outputs"]:
-            self._queue.put(("display", rank, output))
+            self._queue.put(("display", rank, output, False))
         if metadata.get("data"):
             # published before we listened (ipyparallel keeps only the merge of such messages;
             # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
@@ -201,8 +229,10 @@ class CellRelay:
         content = msg["content"]
         if kind == "stream":
             self._queue.put(("stream", rank, content["name"], content["text"]))
-        elif kind == "display_data":
-            self._queue.put(("display", rank, content))
+        elif kind in ("display_data", "update_display_data"):
+            self._queue.put(("display", rank, content, kind == "update_display_data"))
+        elif kind == "clear_output":
+            self._queue.put(("clear", rank))
         elif kind == "data_message":
             # what a rank published with ipyparallel's publish_data: plain data, signed message
             from ipyparallel.serialize import deserialize_object
@@ -228,6 +258,7 @@ class CellRelay:
                     break
                 self._watch_memory(clock, supervisor, sink)
                 self._watch_collectives(clock, supervisor)
+                self._draw_progress_lines(clock, sink, assembler)
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -268,6 +299,24 @@ class CellRelay:
             if self.dead and clock.stop_at is None:
                 clock.stop_at = now + DEATH_GRACE_SECONDS
         return False
+
+    def _draw_progress_lines(self, clock: _WaitClock, sink: OutputSink, assembler: LineAssembler) -> None:
+        """A few times a second, the lowest rank's unfinished progress line on each stream, drawn in place.
+
+        One rank's bar (rank 0's where it has one), not one per rank: several bars cannot share
+        the one line a stream can redraw. The others show their last drawing when they end.
+        """
+        now = time.monotonic()
+        if now < clock.next_progress_draw:
+            return
+        clock.next_progress_draw = now + PROGRESS_DRAW_SECONDS
+        for stream in ("stdout", "stderr"):
+            for rank in sorted(self._ranks):
+                drawing = assembler.drawing(rank, stream)
+                if drawing is not None:
+                    sink.live(rank, stream, drawing)
+                    sink.flush()
+                    break
 
     def _watch_memory(self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink) -> None:
         now = time.monotonic()
@@ -341,8 +390,10 @@ class CellRelay:
             _, rank, stream, text = item
             sink.write(rank, stream, assembler.feed(rank, stream, text))
         elif kind == "display":
-            _, rank, content = item
-            _show_display(rank, content)
+            _, rank, content, update = item
+            self._displays.show(rank, content, update)
+        elif kind == "clear":
+            self._displays.clear(item[1])
         elif kind == "data":
             _, rank, payload = item
             sink.data(rank, payload)
@@ -428,13 +479,41 @@ def _epoch_seconds(stamp: Any) -> float | None:
     return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
 
 
-def _show_display(rank: int, content: dict[str, Any]) -> None:
+class RankDisplays:
+    """A cell's rich output from the ranks, shown in the notebook's cell.
+
+    A rank's `clear_output` must not wipe the cell, which holds every rank's output: instead
+    the display that follows it replaces that rank's previous one. This is how a live display
+    redraws itself (rich's progress bars, as Lightning draws them, or `clear_output(wait=True)`
+    then `display(...)` in a loop): one display per rank that updates in place, not a new one
+    per redraw. A display a rank updates by its id (`display(..., display_id=True).update()`)
+    keeps that id here.
+    """
+
+    def __init__(self) -> None:
+        self._cleared: set[int] = set()
+        self._live: dict[int, str] = {}  # rank -> the display id its redraws update
+
+    def clear(self, rank: int) -> None:
+        self._cleared.add(rank)
+
+    def show(self, rank: int, content: dict[str, Any], update: bool = False) -> None:
+        transient = content.get("transient") or None
+        if not update and rank in self._cleared:
+            self._cleared.discard(rank)
+            if rank in self._live:
+                update = True
+            else:
+                self._live[rank] = f"ddp-rank{rank}-{uuid.uuid4().hex}"
+            transient = {"display_id": self._live[rank]}
+        _publish(content, transient, update)
+
+
+def _publish(content: dict[str, Any], transient: dict[str, Any] | None, update: bool) -> None:
     try:
         from IPython.display import publish_display_data
     except ImportError:
         return
     publish_display_data(
-        data=content.get("data", {}),
-        metadata=content.get("metadata", {}),
-        transient=content.get("transient"),
+        data=content.get("data", {}), metadata=content.get("metadata", {}), transient=transient, update=update
     )

@@ -2,10 +2,18 @@
 
 Runs on ranks (torch + stdlib). `shard_model` applies `torch.distributed.fsdp.fully_shard` per
 block, then to the root, on a one-dimensional DeviceMesh over the world. Checkpoints of sharded
-models go through `torch.distributed.checkpoint` (DCP): every rank writes its own shard into one
-directory, and the directory loads on another world size (DCP reshards) or into a plain model in
-one process. A heal makes a new process group; the sharded models found in the rank's namespace
-are moved onto it (`regroup`), as `prepare_model`'s DDP wrappers are.
+models go through `torch.distributed.checkpoint` (DCP): every rank writes its own shard of the
+model, and of the optimizer's state when one is given, into one directory, and the directory loads
+on another world size (DCP reshards) or into a plain model in one process. A heal makes a new
+process group; the sharded models found in the rank's namespace are moved onto it (`regroup`), as
+`prepare_model`'s DDP wrappers are.
+
+Only one-dimensional meshes (what `shard_model` makes: FSDP over the whole world) are moved. An
+N-dimensional mesh (HSDP, FSDP with tensor parallelism) has a sub-group per slice of each dimension,
+and its sub-meshes are held by DTensors, by FSDP's mesh infos and by the user's own parallelize
+plans; rebuilding them means a collective `new_group` per slice and finding every holder. One
+missed holder leaves a model half on the dead group, which hangs or fails in its next collective,
+so such models are named at the heal instead, to be sharded again.
 """
 
 from __future__ import annotations
@@ -83,39 +91,67 @@ def shard_model(
 # ------------------------------------------------------------------------------- checkpoints
 
 
-def save_sharded(model: torch.nn.Module, path: str | os.PathLike[str]) -> str:
-    """Every rank writes its shard of `model` into the directory `path` (a collective)."""
+def save_sharded(model: torch.nn.Module, path: str | os.PathLike[str], optimizer: Any = None) -> str:
+    """Every rank writes its shard of `model` (and of `optimizer`'s state) into the directory `path`.
+
+    A collective: every rank calls it. The optimizer's state goes through
+    torch.distributed.checkpoint's `get_state_dict`, keyed by parameter name, so it loads on
+    another number of ranks (DCP reshards it with the parameters) or in one process.
+    """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     target = os.path.abspath(os.fspath(path))
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=target)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(state, checkpoint_id=target)
     return target
 
 
-def load_sharded(model: torch.nn.Module, path: str | os.PathLike[str]) -> torch.nn.Module:
-    """Load a DCP checkpoint directory into `model`: sharded on any world size, or a plain model.
+def load_sharded(model: torch.nn.Module, path: str | os.PathLike[str], optimizer: Any = None) -> torch.nn.Module:
+    """Load a DCP checkpoint directory into `model` (and `optimizer`): sharded on any world size, or plain.
 
     In a world, a sharded model reads the slices it holds (DCP reshards a checkpoint written by
     another number of ranks); a plain model (DDP's or in one process, without a process group)
-    reads everything.
+    reads everything. The optimizer's state follows its parameters the same way.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     source = os.path.abspath(os.fspath(path))
-    if dist.is_initialized() and is_sharded(model):
+    if optimizer is not None and not _holds_optimizer(source):
+        raise ValueError(f"{source} holds no optimizer state (it was saved without optimizer=): load the model alone")
+    if optimizer is None:
         state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+    if dist.is_initialized() and is_sharded(model):
         dcp.load(state, checkpoint_id=source)
+    else:
+        # without a process group DCP reads in this process alone (and says so); with one, every rank reads all
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, checkpoint_id=source, no_dist=not dist.is_initialized())
+    if optimizer is None:
         set_model_state_dict(model, state["model"])
-        return model
-    state = {"model": model.state_dict()}
-    # without a process group DCP reads in this process alone (and says so); with one, every rank reads all
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=source, no_dist=not dist.is_initialized())
-    model.load_state_dict(state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return model
+
+
+def _holds_optimizer(source: str) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(key.startswith("optimizer.") for key in FileSystemReader(source).read_metadata().state_dict_metadata)
 
 
 # ------------------------------------------------------------------------------- heal

@@ -39,10 +39,15 @@ def can_fork_ranks(rank_env: Mapping[str, str]) -> str | None:
     """Why ranks with extra environment `rank_env` cannot be forked from a template here (None: they can)."""
     if not sys.platform.startswith("linux"):
         return "forking a process that imported torch is only safe on Linux"
-    startup = sorted(name for name in rank_env if name in _STARTUP_VARIABLES or name.startswith("LD_"))
+    startup = sorted(name for name in rank_env if reads_at_startup(name))
     if startup:
         return f"{', '.join(startup)} must be read by a fresh interpreter"
     return None
+
+
+def reads_at_startup(name: str) -> bool:
+    """Whether the environment variable `name` is read when a process starts (so a fork cannot change it)."""
+    return name in _STARTUP_VARIABLES or name.startswith("LD_")
 
 
 class TemplateClient:
@@ -67,8 +72,14 @@ class TemplateClient:
         return self.process.pid if self.process is not None else None
 
     @property
+    def running(self) -> bool:
+        """Started and not ended (it may still be importing)."""
+        return self.process is not None and self.process.poll() is None
+
+    @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None and self._connection is not None
+        """Running and connected: ready to fork."""
+        return self.running and self._connection is not None
 
     def start(self) -> None:
         """Start the template (its imports then run while other things start)."""
@@ -88,6 +99,8 @@ class TemplateClient:
     def wait_ready(self, deadline: float) -> None:
         """Connect once the template listens; RuntimeError if it exited, TimeoutError past the deadline."""
         assert self.process is not None
+        if self._connection is not None:
+            return  # connected already (a template handed over from an earlier world)
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the rank template exited with code {self.process.returncode}: {self._log_tail()}")
@@ -103,9 +116,17 @@ class TemplateClient:
         self._connection = connection
         threading.Thread(target=self._listen, args=(connection,), name="ddp-template", daemon=True).start()
 
-    def fork(self, argv: Sequence[str], env: Mapping[str, str], output: str, cwd: str) -> int:
-        """A new rank process forked from the template; returns its PID."""
-        request = {"op": "fork", "argv": list(argv), "env": dict(env), "output": output, "cwd": cwd}
+    def try_connect(self) -> bool:
+        """Connect if the template is listening already (its imports done); never waits."""
+        try:
+            self.wait_ready(deadline=0.0)
+        except (TimeoutError, RuntimeError):
+            return False
+        return True
+
+    def fork(self, argv: Sequence[str], env: Mapping[str, str], output: str, cwd: str, role: str = "engine") -> int:
+        """A new process forked from the template, running entry point `role` (engine, controller); its PID."""
+        request = {"op": "fork", "role": role, "argv": list(argv), "env": dict(env), "output": output, "cwd": cwd}
         with self._request_lock:
             if self._connection is None:
                 raise RuntimeError("the rank template is not running")
@@ -165,6 +186,8 @@ class TemplateClient:
             except OSError:
                 pass
             connection.close()
+        elif self.process is not None and self.process.poll() is None:
+            self.process.kill()  # still importing, so it has forked nothing: no need to wait for it
         if self.process is not None:
             try:
                 self.process.wait(3)
@@ -181,4 +204,3 @@ class TemplateClient:
                 return " | ".join(handle.read().strip().splitlines()[-5:])
         except OSError:
             return ""
-

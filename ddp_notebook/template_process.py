@@ -16,7 +16,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddp_notebook.processes import OWNER_PID_ENV
+from ddp_notebook.processes import OWNER_PID_ENV, SLOT_ENV
 
 OWNER_POLL_SECONDS = 0.2
 
@@ -24,6 +24,7 @@ OWNER_POLL_SECONDS = 0.2
 def _preload() -> None:
     import torch._dynamo  # before any process group: see rank.release_group
     import torch.distributed  # noqa: F401
+    from ipyparallel.controller import app as controller_app  # noqa: F401
     from ipyparallel.engine import app  # noqa: F401
 
     import ddp_notebook.rank  # noqa: F401
@@ -100,7 +101,10 @@ class _Template:
     def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "fork":
-            pid = self._fork(request["argv"], request["env"], request["output"], request["cwd"])
+            role = request.get("role", "engine")
+            if role not in ("engine", "controller"):
+                return {"reply": "error", "error": f"unknown role {role!r}"}
+            pid = self._fork(role, request["argv"], request["env"], request["output"], request["cwd"])
             self.children.add(pid)
             return {"reply": "fork", "pid": pid}
         if op == "stop":
@@ -126,7 +130,7 @@ class _Template:
             for connection in list(self.connections):
                 self._tell(connection, {"exited": pid, "code": code})
 
-    def _fork(self, argv: Sequence[str], env: Mapping[str, str], output: str, cwd: str) -> int:
+    def _fork(self, role: str, argv: Sequence[str], env: Mapping[str, str], output: str, cwd: str) -> int:
         pid = os.fork()
         if pid:
             return pid
@@ -145,11 +149,12 @@ class _Template:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
+            _name_process("ddp-controller" if role == "controller" else f"ddp-rank{env.get(SLOT_ENV, '')}")
             _fresh_random_state()
             sys.argv = ["ddp_notebook.entrypoints", *argv]
-            from ddp_notebook.entrypoints import engine_main
+            from ddp_notebook.entrypoints import controller_main, engine_main
 
-            engine_main()
+            controller_main() if role == "controller" else engine_main()
             code = 0
         except SystemExit as ended:
             code = ended.code if isinstance(ended.code, int) else (0 if ended.code is None else 1)
@@ -172,6 +177,18 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _name_process(name: str) -> None:
+    """Name the process as `ps -o comm`, `top` and psutil's name() show it: a fork keeps the
+    template's command line, and this is what tells a rank from the controller."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # a name is a convenience; the process works without it
 
 
 def _fresh_random_state() -> None:

@@ -10,6 +10,7 @@ ipywidgets and plotly are imported only when a LiveView is made.
 
 from __future__ import annotations
 
+import copy
 import html
 import math
 import sys
@@ -293,7 +294,18 @@ class LiveView:
         if final or now - self._curves_drawn >= self._curve_seconds:
             self._curves_drawn = now
             self._draw_curves(feed, final)
+            if final:
+                self._keep_figure()
         self.status.value = status_table(feed)
+
+    def _keep_figure(self) -> None:
+        # curve updates reach plotly.js as messages, so the FigureWidget's synced state still
+        # holds the figure it was shown with (no curves). Storing the finished figure there (as
+        # plotly does when a figure is displayed; plotly.js ignores the change) lets what saves
+        # widget state (a saved notebook, nbclient, the docs site) keep every curve.
+        if self.plot.children:
+            self.figure._widget_data = copy.deepcopy(self.figure._data)
+            self.figure._widget_layout = copy.deepcopy(self.figure._layout_obj._props)
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
         ranks = ", ".join(str(rank) for rank in sorted(feed.ranks))

@@ -1,10 +1,15 @@
-"""Shared fixtures: one real 2-rank gloo world per session, and process-leak checks."""
+"""Shared fixtures: one real 2-rank gloo world per session, the tour's notebooks executed once
+per session, and process-leak checks."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +91,47 @@ def no_leaks() -> Iterator[None]:
     yield
     leftover = wait_gone(sorted(owned_pids() - before))
     assert leftover == [], f"processes left running: {leftover}"
+
+
+@dataclass
+class ExecutedNotebook:
+    notebook: Any  # nbformat.NotebookNode, with the outputs and widget state of the run
+    folder: Path  # the notebook's folder while it ran: the files it wrote are there
+
+
+class ExecutedNotebooks:
+    """Each notebook executed once, on first use, by docs/notebook_runner.py (the docs build's
+    runner): tests/test_notebooks.py checks the outputs, tests/test_docs_site.py publishes them."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+        import notebook_runner
+
+        self.runner = notebook_runner
+        self._factory = factory
+        self._runs: dict[Path, ExecutedNotebook | BaseException] = {}
+
+    def get(self, path: Path) -> ExecutedNotebook:
+        """The executed notebook; a run that raised raises the same error again, without re-running."""
+        if path not in self._runs:
+            folder = self._factory.mktemp(f"notebook-{path.stem}")
+            try:
+                self._runs[path] = ExecutedNotebook(self.runner.execute(path, folder), folder)
+            except Exception as error:  # noqa: BLE001  (kept for every test that asks)
+                self._runs[path] = error
+        run = self._runs[path]
+        if isinstance(run, BaseException):
+            raise run
+        return run
+
+
+# the notebooks read it and run their short setting (the same cells, fewer steps)
+QUICK_NOTEBOOKS = {"DDP_NOTEBOOK_QUICK": "1"}
+
+
+@pytest.fixture(scope="session")
+def executed_notebooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutedNotebooks]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in QUICK_NOTEBOOKS.items():
+            patch.setenv(name, value)  # the kernels inherit this process's environment
+        yield ExecutedNotebooks(tmp_path_factory)

@@ -24,6 +24,8 @@ Differences, on purpose:
 - Binder's base image already has JupyterLab; the venv starts empty and gets it from
   requirements.txt, so the same file must be enough on its own.
 - No container and no Jupyter server: no browser, the notebooks run headless.
+- The notebooks run their short setting (DDP_NOTEBOOK_QUICK=1, as in tests/test_notebooks.py):
+  the same cells with fewer steps, so that all of them fit the runner's time limit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from urllib.parse import urlparse
 import pytest
 
 from ddp_notebook import devices
+from tests.conftest import QUICK_NOTEBOOKS
 
 pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
 
@@ -181,9 +184,11 @@ def run_notebooks(argv: list[str]) -> int:
                         elif argv[1:3] == ["-m", "ddp_notebook.entrypoints"]:  # a rank (or the controller) itself,
                             role = "rank" if "engine" in argv else "controller"  # not a launcher such as mpiexec
                         elif argv[1:3] == ["-m", "ddp_notebook.template_process"]:
-                            # the warm template, or a rank forked from it (which keeps its argv)
+                            # the warm template, or a rank or the controller forked from it (which keep
+                            # its argv; the fork names itself ddp-rankN or ddp-controller)
                             forked = process.parent().cmdline()[1:3] == argv[1:3]
-                            role = "rank" if forked else "template"
+                            name = process.name()
+                            role = "template" if not forked else "controller" if name == "ddp-controller" else "rank"
                         omp = process.environ().get("OMP_NUM_THREADS")
                         seen[process.pid] = {"role": role, "argv0": argv[0], "omp": omp}
                 except psutil.Error:
@@ -319,6 +324,7 @@ def test_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
     home = tmp_path / "home"
     run_env = {
         **env,
+        **QUICK_NOTEBOOKS,
         "IPYTHONDIR": str(home / ".ipython"),
         "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
         "JUPYTER_DATA_DIR": str(home / ".local" / "share" / "jupyter"),

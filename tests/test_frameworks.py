@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import owned_pids, wait_gone
 from tests.test_kernel import Kernel
@@ -249,3 +255,129 @@ def test_hf_trainer(framework_kernel: Kernel) -> None:
     # the Trainer reports from the main process only (in a notebook: its HTML progress table)
     assert "[rank 1]" not in out, out
     check_like_torchrun(framework_kernel, "DISTRIBUTED")
+
+
+def test_a_ranks_redrawn_display_updates_in_place(framework_kernel: Kernel) -> None:
+    """clear_output + display on a rank (how rich, and so Lightning, redraws a live bar) replaces
+    that rank's display instead of clearing the cell or stacking one display per redraw; a display
+    a rank updates by id is updated here too."""
+    code = (
+        "%%ddp\n"
+        "from IPython.display import clear_output, display\n"
+        "print('kept: printed before the redraws')\n"
+        "for step in range(4):\n"
+        "    clear_output(wait=True)\n"
+        "    display({'text/plain': f'bar rank {rank} step {step}'}, raw=True)\n"
+        "handle = display({'text/plain': f'status rank {rank}: running'}, raw=True, display_id=True)\n"
+        "handle.update({'text/plain': f'status rank {rank}: done'}, raw=True)\n"
+    )
+    msg_id = framework_kernel.client.execute(code)
+    shown: dict[str, str] = {}  # display id (or a new slot) -> what it shows now
+    printed = []
+    while True:
+        msg = framework_kernel.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            printed.append(content["text"])
+        elif kind == "clear_output":
+            shown.clear()
+        elif kind in ("display_data", "update_display_data"):
+            slot = (content.get("transient") or {}).get("display_id") or f"plain-{len(shown)}"
+            if kind == "display_data" or slot in shown:
+                shown[slot] = content["data"]["text/plain"]
+        elif kind == "status" and content["execution_state"] == "idle":
+            break
+    assert sorted(shown.values()) == [
+        "bar rank 0 step 3",
+        "bar rank 1 step 3",
+        "status rank 0: done",
+        "status rank 1: done",
+    ], shown
+    assert "kept: printed before the redraws" in "".join(printed)
+
+
+EXPORT_CELLS = (
+    "%%ddp\n"
+    "torch.manual_seed(0)\n"
+    "import os\n"
+    "export_data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
+    "export_model = ddp_notebook.prepare_model(torch.nn.Linear(4, 1))\n"
+    "export_optimizer = torch.optim.SGD(export_model.parameters(), lr=0.05)\n"
+    "export_loader = ddp_notebook.prepare_loader(export_data, batch_size=4)\n",
+    "%%ddp\n"
+    "for x, y in export_loader:\n"
+    "    export_optimizer.zero_grad()\n"
+    "    torch.nn.functional.mse_loss(export_model(x), y).backward()\n"
+    "    export_optimizer.step()\n",
+    # the script runs without the notebook's names: it gets its path from the environment
+    "%%ddp\nddp_notebook.save_checkpoint(export_model, os.environ['EXPORT_OUT'] if 'EXPORT_OUT' in os.environ else "
+    "EXPORT_CELLS_OUT)\n",
+)
+
+
+def test_ddp_export_in_a_kernel_writes_a_script_that_ends_like_the_cells(
+    framework_kernel: Kernel, tmp_path: Path
+) -> None:
+    cells_out, script, script_out = tmp_path / "cells.pt", tmp_path / "train.py", tmp_path / "script.pt"
+    out, error = framework_kernel.run(f"%%ddp\nEXPORT_CELLS_OUT = {str(cells_out)!r}")
+    assert error is None, out
+    for code in EXPORT_CELLS:
+        out, error = framework_kernel.run(code)
+        assert error is None, out
+    out, error = framework_kernel.run("%ddp_export --list")
+    assert error is None, out
+    listed = re.findall(r"^\s*(\d+)  ok      ranks 0,1\s+(.*)$", out, re.MULTILINE)
+    ours = [number for number, first in listed if first.startswith(("torch.manual_seed(0)", "for x, y in export_"))]
+    ours += [number for number, first in listed if first.startswith("ddp_notebook.save_checkpoint(export_model")]
+    assert len(ours) == 3, out
+    out, error = framework_kernel.run(f"%ddp_export {script} --cells {','.join(ours)}")
+    assert error is None and f"wrote {script}; run it with: torchrun --nproc-per-node 2" in out, out
+    out, error = framework_kernel.run(f"%ddp_export {script} --cells {ours[0]}")
+    assert "exists; pass --force" in out, (error, out)
+
+    env = {**os.environ, "EXPORT_OUT": str(script_out), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    from_cells = torch.load(cells_out, weights_only=True)
+    from_script = torch.load(script_out, weights_only=True)
+    assert from_cells.keys() == from_script.keys()
+    for name, value in from_cells.items():
+        torch.testing.assert_close(from_script[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_plain_tqdm_bar_moves_while_the_cell_runs(framework_kernel: Kernel) -> None:
+    """A text bar (plain tqdm, as a framework draws it without widgets) is redrawn in place while
+    it runs, not shown only when it ends; other ranks' lines still come through whole."""
+    code = (
+        "%%ddp\n"
+        "import sys, time\n"
+        "from tqdm import tqdm\n"
+        "for i in tqdm(range(8), desc='plain', file=sys.stderr, disable=rank != 0, mininterval=0, ncols=60):\n"
+        "    if rank == 1 and i == 3:\n"
+        "        print('rank 1 warns', file=sys.stderr, flush=True)\n"
+        "    time.sleep(0.4)\n"
+    )
+    msg_id = framework_kernel.client.execute(code)
+    chunks = []
+    while True:
+        msg = framework_kernel.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stderr":
+            chunks.append(msg["content"]["text"])
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    text = "".join(chunks)
+    # drawings of the unfinished bar arrived while it ran, each over the last one
+    moving = re.findall(r"\r\[rank 0\] plain: +\d+%\|[^\r\n]*\| (\d)/8", text)
+    assert len(set(moving)) >= 2 and min(int(n) for n in moving) < 8, repr(text)
+    # what a notebook shows: each line as its last drawing after '\r'
+    shown = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+    bars = [line for line in shown if "plain:" in line]
+    assert len(bars) == 1 and bars[0].startswith("[rank 0] plain: 100%") and "8/8" in bars[0], shown
+    assert shown.count("[rank 1] rank 1 warns") == 1, shown

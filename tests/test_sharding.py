@@ -146,3 +146,99 @@ def test_sharded_models_keep_working_after_a_heal(three_ranks: DDPCluster) -> No
     for name, value in full[0].items():
         for rank in (1, 2):
             torch.testing.assert_close(full[rank][name], value)
+
+
+MOMENTUM_STEP = (
+    "def momentum_step(model, optimizer):\n"
+    "    optimizer.zero_grad()\n"
+    "    model(global_x.chunk(world_size)[rank]).square().mean().backward()\n"
+    "    optimizer.step()\n"
+)
+
+
+def test_the_optimizers_state_is_saved_with_the_shards_and_loads_on_3_ranks_and_in_one_process(
+    world: DDPCluster, three_ranks: DDPCluster, tmp_path: Path
+) -> None:
+    """Momentum saved on 2 ranks, loaded on 3 and in one process: the next step is the same everywhere."""
+    directory = tmp_path / "with_optimizer"
+    world.push({"ckpt": str(directory)})
+    world.execute(
+        MODEL + BATCH + MOMENTUM_STEP + "torch.manual_seed(5)\n"
+        "model = ddp_notebook.shard_model(Blocks())\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "for _ in range(3):\n"
+        "    momentum_step(model, optimizer)\n"
+        "ddp_notebook.save_checkpoint(model, ckpt, optimizer=optimizer)\n"
+        "momentum_step(model, optimizer)\n" + FULL,
+        stream=False,
+    )
+    after = world.pull("full", ranks=[0])[0]  # one step past the checkpoint, on 2 ranks
+
+    three_ranks.push({"ckpt": str(directory)})
+    three_ranks.execute(
+        MODEL + BATCH + MOMENTUM_STEP + "torch.manual_seed(99)\n"
+        "model = ddp_notebook.shard_model(Blocks())\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "ddp_notebook.load_checkpoint(model, ckpt, optimizer=optimizer)\n"
+        "momentum_step(model, optimizer)\n" + FULL,
+        stream=False,
+    )
+    on_three = three_ranks.pull("full")
+    for rank in range(3):
+        for name, value in after.items():
+            torch.testing.assert_close(on_three[rank][name], value, rtol=1e-5, atol=1e-6)
+
+    from ddp_notebook import load_checkpoint
+
+    plain = blocks_model(99)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    load_checkpoint(plain, directory, optimizer=optimizer)  # this process: no process group at all
+    torch.manual_seed(123)
+    global_x = torch.randn(12, 6)
+    optimizer.zero_grad()
+    plain(global_x).square().mean().backward()
+    optimizer.step()
+    for name, value in plain.named_parameters():
+        torch.testing.assert_close(value.detach(), after[name], rtol=1e-5, atol=1e-6)
+
+    # without the momentum the step would differ: the check above can fail
+    bare = blocks_model(99)
+    load_checkpoint(bare, directory)
+    fresh = torch.optim.SGD(bare.parameters(), lr=0.1, momentum=0.9)
+    fresh.zero_grad()
+    bare(global_x).square().mean().backward()
+    fresh.step()
+    assert not all(torch.allclose(p.detach(), after[n], rtol=1e-5, atol=1e-6) for n, p in bare.named_parameters())
+
+
+def test_a_ddp_checkpoint_file_carries_the_optimizers_state(world: DDPCluster, tmp_path: Path) -> None:
+    target = tmp_path / "ddp.pt"
+    world.push({"target": str(target)})
+    world.execute(
+        MODEL + "torch.manual_seed(3)\n"
+        "model = ddp_notebook.prepare_model(Blocks())\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "optimizer.zero_grad()\n"
+        "model(torch.ones(4, 6)).sum().backward()\n"
+        "optimizer.step()\n"
+        "ddp_notebook.save_checkpoint(model, target, optimizer=optimizer)\n"
+        "momentum = [optimizer.state[p]['momentum_buffer'].tolist() for p in model.parameters()]\n",
+        stream=False,
+    )
+    from ddp_notebook import load_checkpoint
+
+    plain = blocks_model(0)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    load_checkpoint(plain, target, optimizer=optimizer)
+    saved = world.pull("momentum", ranks=[0])[0]
+    for parameter, expected in zip(plain.parameters(), saved):
+        torch.testing.assert_close(optimizer.state[parameter]["momentum_buffer"], torch.tensor(expected))
+
+
+def test_a_checkpoint_without_optimizer_state_says_so(tmp_path: Path) -> None:
+    from ddp_notebook import load_checkpoint
+
+    model = blocks_model(0)
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        load_checkpoint(model, tmp_path / "plain.pt", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -114,6 +114,29 @@ def test_live_view_reaches_the_frontend_complete(comms: list[RecordingComm]) -> 
     assert "30/30" in texts and "2/2" in texts
 
 
+def test_finished_figure_is_kept_in_the_widget_state(comms: list[RecordingComm]) -> None:
+    """What saves widget state (a saved notebook, nbclient, the docs site) gets every curve."""
+    clock = Clock()
+    view = LiveView()
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    figure_comm = None
+    for rank in (0, 1):
+        train(feed, clock, rank, batches=30)
+        figure_comm = figure_comm or next(c for c in comms if c.comm_id == view.figure.comm.comm_id)
+        if rank == 0:  # while a rank still runs, the state holds the figure as first shown
+            assert frontend_state([figure_comm])[figure_comm.comm_id].get("_widget_data", []) == []
+    assert feed.finished
+    sent = frontend_state([figure_comm])[figure_comm.comm_id]["_widget_data"]
+    assert [(trace["meta"], trace["name"]) for trace in sent] == [
+        ("loss", "rank 0"),
+        ("accuracy", "rank 0"),
+        ("loss", "rank 1"),
+        ("accuracy", "rank 1"),
+    ]
+    # arrays travel as binary buffers: their shapes say how many points each trace holds
+    assert [list(trace["y"]["shape"]) for trace in sent] == [[60], [2], [60], [2]]
+
+
 def test_figure_updates_travel_as_binary_and_new_axes_are_valid(comms: list[RecordingComm]) -> None:
     clock = Clock()
     view = LiveView()

@@ -12,6 +12,7 @@ knows their PIDs and how each one ended, signals them, and ends them. Everything
 
 from __future__ import annotations
 
+from .. import spare
 from ..config import WorldConfig
 from ..template import TemplateClient
 from .attached import AttachedProvisioner
@@ -27,6 +28,8 @@ def provisioner_for(config: WorldConfig, private_dir: str, warm: object = None) 
 
     `warm`: what a previous provisioner of the same world kept warm (`keep_warm()`), for a restart.
     """
+    if not config.launch.is_local or config.launch.attach is not None:
+        spare.discard_spare()  # its ranks start elsewhere: a local template would only hold memory
     if config.launch.attach is not None:
         return AttachedProvisioner(config, private_dir)
     if config.launch.is_local:

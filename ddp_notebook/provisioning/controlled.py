@@ -4,15 +4,12 @@ its controller, the exit codes of its engine sets, and ending all of it."""
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import sys
 import time
 from typing import Any
 
 from .. import processes
 from ..ipp_adapter import recorded_exit
-from ..processes import OWNER_HOST_ENV, OWNER_PID_ENV
 from .base import Provisioner
 
 log = logging.getLogger("ddp_notebook")
@@ -34,9 +31,10 @@ class ControlledProvisioner(Provisioner):
 
     def owner_environment(self) -> dict[str, str]:
         """Tells the processes whose they are: they exit when this kernel dies."""
-        return {OWNER_PID_ENV: str(os.getpid()), OWNER_HOST_ENV: socket.gethostname()}
+        return processes.owner_environment()
 
-    def make_cluster(self, **options: Any) -> Any:
+    def make_cluster(self, controller_options: dict[str, Any] | None = None, **options: Any) -> Any:
+        """An ipyparallel Cluster with its controller started; `controller_options` go to the controller's launcher."""
         import ipyparallel as ipp
 
         self.cluster = ipp.Cluster(
@@ -58,6 +56,7 @@ class ControlledProvisioner(Provisioner):
         self.cluster.start_controller_sync(
             controller_cmd=[sys.executable, "-m", ENTRY, "controller"],
             environment=self.owner_environment(),
+            **(controller_options or {}),
         )
         return self.cluster
 

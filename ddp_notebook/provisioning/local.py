@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .. import devices, layout, limits, network, processes, template
+from .. import devices, layout, limits, network, processes, spare, template
 from ..config import WorldConfig
 from ..errors import StartError
 from ..processes import SLOT_ENV
@@ -36,7 +36,9 @@ class LocalProvisioner(ControlledProvisioner):
         super().__init__(config, private_dir)
         # ranks are forked from a warm template (torch imported once) unless that is off or unsafe
         self.cold_reason = "warm start is off" if not config.warm_start else template.can_fork_ranks(config.env)
-        self.template = warm if self.cold_reason is None and warm is not None and warm.alive else None
+        if warm is None and self.cold_reason is None:
+            warm = spare.take_spare(config.env)  # started at %load_ext, with torch imported by now
+        self.template = warm if self.cold_reason is None and warm is not None and warm.running else None
         if warm is not None and self.template is None:
             warm.stop()
         # the out-of-memory kills counted so far where the ranks will run (they inherit this
@@ -47,15 +49,22 @@ class LocalProvisioner(ControlledProvisioner):
     def start(self) -> Any:
         self.oom_before = self.platform.oom_counts()
         options: dict[str, Any] = {}
+        controller_options: dict[str, Any] = {}
         if self.cold_reason is None:
-            from .fork import ForkEngineSetLauncher
+            from .fork import ForkControllerLauncher, ForkEngineSetLauncher
 
             if self.template is None:
                 # its imports run while the controller starts
                 self.template = template.TemplateClient(sys.executable, self.owner_environment())
                 self.template.start()
+            elif self.template.try_connect():
+                # a template that is ready (kept from a restart, or started at %load_ext) forks the
+                # controller too: no interpreter to start and nothing to import
+                options["controller"] = ForkControllerLauncher
+                controller_options["template"] = self.template
             options["engines"] = ForkEngineSetLauncher
         self.make_cluster(
+            controller_options,
             # start the ranks together with the controller, not after it: their imports (or the
             # template's) overlap the controller's start-up; they wait for its connection file
             # in the (user-private) profile security directory

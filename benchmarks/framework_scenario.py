@@ -1,0 +1,112 @@
+"""The `frameworks` scenario: steps/s of Lightning, Accelerate, the HF Trainer, FSDP2 and plain DDP
+in `%%ddp` cells of a real kernel, each paired with the same code under torchrun.
+
+Each round trains with one framework on both sides, one cell each (under torchrun: one job,
+`train_workload.py --exec`); the framework changes every round, in turn, and which side goes first
+alternates (the harness's pairing), so the two runs of a pair are seconds apart on a machine whose
+load changes by the minute. Ratios are per round: `%%ddp` over torchrun, then per framework.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from harness import BENCH_DIR, fmt, print_table, stats
+from scenarios import Run, Scenario, paired, ratio_text
+from subjects import RESULT_LINE, TRAIN_TIMEOUT, Subject
+
+NAMES = ("lightning", "accelerate", "hf_trainer", "fsdp2", "ddp")
+LABELS = {
+    "lightning": 'Lightning `Trainer(strategy="ddp")`',
+    "accelerate": "Accelerate `Accelerator` + `prepare`",
+    "hf_trainer": "Hugging Face `Trainer`",
+    "fsdp2": "FSDP2 (`prepare_model(shard=True)`)",
+    "ddp": "plain DDP (the `training` scenario's loop)",
+}
+CELL = (
+    "import json, sys, torch\n{threads}sys.path.insert(0, {bench!r})\nimport framework_workload\n"
+    "result = framework_workload.run({names!r}, {steps}, {warmup})\n"
+    'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(result), flush=True)'
+)
+
+
+class Frameworks(Scenario):
+    """Steps/s of each framework under `%%ddp` against the same code under torchrun."""
+
+    name = "frameworks"
+    default_subjects = ("ddp_kernel", "torchrun")
+    repeats = 20  # rounds: 4 per framework
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def reference(self, name: str) -> str | None:
+        return "torchrun"
+
+    def supports(self, name: str) -> str | None:
+        if name not in self.default_subjects:
+            return "measured in %%ddp cells of a kernel (ddp_kernel) against torchrun only"
+        missing = [module for module in ("lightning", "accelerate", "transformers") if not _importable(module)]
+        if missing:
+            return f"not installed: {', '.join(missing)} (pip install -e '.[test]')"
+        return super().supports(name)
+
+    def run_cell(self, subject: Subject, run: Run, names: list[str]) -> dict[str, Any]:
+        s = run.s
+        threads = "" if s.threads is None else f"torch.set_num_threads({s.threads})\n"
+        body = CELL.format(threads=threads, bench=str(BENCH_DIR), names=names, steps=s.steps, warmup=s.warmup)
+        cell = subject.cell(body, TRAIN_TIMEOUT * 2, expect=RESULT_LINE.search)
+        found = RESULT_LINE.search(cell.text)
+        if not found:
+            raise RuntimeError(f"no result ({cell.status}): {cell.text[-2000:]}")
+        return json.loads(found.group(1))
+
+    def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
+        self.run_cell(subject, run, list(NAMES))  # untimed: imports and every framework's first run
+
+    def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
+        turn = self.calls.get(subject.name, 0)
+        self.calls[subject.name] = turn + 1
+        framework = NAMES[turn % len(NAMES)]  # the same on both sides of a round
+        result = self.run_cell(subject, run, [framework])
+        rate = result["steps_per_s"][framework]
+        return {"framework": framework, "steps_per_s": rate, "torch_threads": result["torch_threads"]}
+
+    def brief(self, sample: dict[str, Any]) -> str:
+        return f"{sample['framework']} {sample['steps_per_s']:.1f} steps/s ({sample['torch_threads']} thread(s))"
+
+    def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        rows = []
+        ours = next((n for n in results if n != "torchrun"), None)
+        everything: list[float] = []
+        for framework in NAMES:
+            only = {
+                name: {**entry, "samples": [x for x in entry["samples"] if x["framework"] == framework]}
+                for name, entry in results.items()
+            }
+            entry: dict[str, Any] = {name: stats([x["steps_per_s"] for x in only[name]["samples"]]) for name in only}
+            ratios = paired(only, ours, "torchrun", lambda x: x["steps_per_s"]) if ours else []
+            everything += ratios
+            mine, theirs = entry.get(ours or "", {}).get("median"), entry.get("torchrun", {}).get("median")
+            of_medians = mine / theirs if mine and theirs else None
+            entry |= {"ratio": stats(ratios), "ratio_of_medians": of_medians}
+            summary[framework] = entry
+            rows.append([LABELS[framework], mine, theirs, ratio_text(ratios), fmt(of_medians, 3), len(ratios)])
+        print_table(
+            ["steps/s, median", "%%ddp", "torchrun", "x torchrun: pairs' median (range)", "of medians", "pairs"], rows
+        )
+        threads = {name: sorted({x["torch_threads"] for x in entry["samples"]}) for name, entry in results.items()}
+        print(f"torch threads per rank: {threads}; {s.steps} timed steps after {s.warmup} untimed per run")
+        summary["threads"] = threads
+        if everything:
+            summary["all_pairs"] = stats(everything)
+            print(f"every pair, all frameworks: median {ratio_text(everything)} over {len(everything)} pairs")
+        return summary
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

@@ -1,0 +1,56 @@
+"""Run a tour notebook top to bottom in a real kernel, as the test suite and the docs build both do.
+
+One implementation: tests/conftest.py executes each notebook once per test session through
+`execute` (tests/test_notebooks.py checks what it printed, tests/test_docs_site.py builds the
+site from it), and docs/build.py executes them through the same function for a local build.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+CELL_SECONDS = 300
+RAISES = "raises-exception"
+
+
+def tour() -> list[Path]:
+    """Every notebook of the tour, in its order."""
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def execute(path: Path, workdir: Path, timeout: int = CELL_SECONDS) -> nbformat.NotebookNode:
+    """The notebook at `path`, executed with `workdir` as its folder (files it writes land there).
+
+    The kernel inherits this process's environment, so a setting the notebooks read (a shorter
+    run under test) reaches them the same way from pytest and from the docs build. A cell that
+    raises and is not tagged raises-exception stops the run (nbclient's CellExecutionError).
+    """
+    notebook = nbformat.read(path, as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
+        f"{path.name} is committed with outputs; clear them"
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, workdir / path.name)  # as where it is opened: next to itself
+    NotebookClient(
+        notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    ).execute()
+    return notebook
+
+
+def failed_cells(notebook: nbformat.NotebookNode) -> list[str]:
+    """What went wrong, one line per cell: an error in a cell not tagged raises-exception, or a
+    cell tagged raises-exception that raised nothing."""
+    problems = []
+    for index, cell in enumerate(notebook.cells):
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        if RAISES in cell.metadata.get("tags", []):
+            if not errors:
+                problems.append(f"cell {index} is tagged {RAISES} but raised nothing")
+        elif errors:
+            problems.append(f"cell {index} failed: {errors[0].get('ename')}: {errors[0].get('evalue')}")
+    return problems
