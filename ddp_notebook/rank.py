@@ -425,6 +425,9 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
         ddp_kwargs.setdefault("device_ids", [current.device.index])
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
+    # how to wrap it again, and in which order, when a rank is replaced (elastic.rewrap_models)
+    _state["wrapped"] = _state.get("wrapped", 0) + 1
+    wrapper._ddp_notebook_wrap = (_state["wrapped"], dict(ddp_kwargs))  # type: ignore[assignment]
     return wrapper
 
 
@@ -457,19 +460,61 @@ class EpochDataLoader(DataLoader):
     """A DataLoader over a DistributedSampler that advances the sampler's epoch itself.
 
     Forgetting `sampler.set_epoch(epoch)` gives every epoch the same order; here each new
-    iteration over the loader starts the next epoch's shuffle.
+    iteration over the loader starts the next epoch's shuffle. It also knows where it is in
+    its epoch (`position`: batches consumed), so a tracked loader resumes mid-epoch after a
+    rank came back (`ddp_notebook.track`): `while loader.epoch < EPOCHS: for batch in loader: ...`
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.epoch = 0
+        self.epoch = 0  # epochs started
+        self.position = 0  # batches of the epoch in progress whose step finished
+        self.in_epoch = False
+        self.after_batch: Any = None  # called with the loader after each finished step (tracking)
+        self._skip = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(self.epoch)
+        skip, self._skip = self._skip, 0
+        if isinstance(sampler, ResumableSampler):
+            sampler.skip = skip * int(self.batch_size or 1)
         self.epoch += 1
-        return super().__iter__()
+        self.position, self.in_epoch = skip, True
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            yield batch
+            self.position += 1  # asked for the next batch: the step on this one finished
+            if self.after_batch is not None:
+                self.after_batch(self)
+        self.in_epoch = False
+
+    def position_state(self) -> tuple[int, int, bool]:
+        """(epochs started, batches consumed in the last one, whether it is still in progress)."""
+        return (self.epoch, self.position, self.in_epoch)
+
+    def resume_from(self, state: tuple[int, int, bool]) -> None:
+        """The next iteration continues the epoch `state` was taken in, after its consumed batches."""
+        epoch, position, in_epoch = state
+        if in_epoch:
+            self.epoch, self._skip = epoch - 1, position
+        else:
+            self.epoch, self._skip = epoch, 0
+        self.position, self.in_epoch = position, False
+
+
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A DistributedSampler that can leave out the start of its shard for one epoch (a resumed one)."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        skip, self.skip = self.skip, 0
+        return iter(indices[skip:])
 
 
 def prepare_loader(
@@ -486,7 +531,7 @@ def prepare_loader(
     `drop_last=True`). `batch_size` is per rank: the global batch is batch_size * world_size.
     """
     current = context()
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(
         dataset,
         num_replicas=current.world_size,
         rank=current.rank,

@@ -133,3 +133,32 @@ def pull_names(names: list[str]) -> dict[str, Any]:
     namespace = get_ipython().user_ns
     found = {name: namespace[name] for name in names if name in namespace}
     return {"found": found, "missing": [name for name in names if name not in namespace]}
+
+
+def begin_replay(spec: RankSpec) -> None:
+    """A new rank before its setup cells are replayed: its rank, in a process group of its own."""
+    from ddp_notebook import elastic
+
+    elastic.begin_replay(asdict(spec))
+
+
+def snapshot_numbers() -> list[int]:
+    """The snapshots of tracked state this rank holds (empty where nothing is tracked)."""
+    import sys
+
+    elastic = sys.modules.get("ddp_notebook.elastic")  # never imported: nothing tracked
+    return elastic.snapshot_numbers() if elastic is not None else []
+
+
+def rewrap_models() -> int:
+    """Every rank at once after a rank was replaced: fresh DDP reducers over the new group."""
+    from ddp_notebook import elastic
+
+    return elastic.rewrap_models()
+
+
+def restore_snapshot(seq: int, source: int) -> str:
+    """Every rank at once: load snapshot `seq` as rank `source` sends it; says where it was taken."""
+    from ddp_notebook import elastic
+
+    return elastic.restore(seq, source)
