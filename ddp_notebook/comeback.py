@@ -61,9 +61,11 @@ def bring_back(
             timeout=_remaining(deadline)
         )
     new_ranks = forming.join_process_group(client, config, world, stack_dir, deadline)
-    client[[info.engine_id for info in new_ranks.values()]].apply_async(rank_calls.rewrap_models).get(
-        timeout=_remaining(deadline)
-    )
+    engines = client[[info.engine_id for info in new_ranks.values()]]
+    # models every rank has (made by the setup cells) get fresh DDP reducers, in one order everywhere
+    held = engines.apply_async(rank_calls.wrapped_names).get(timeout=_remaining(deadline))
+    common = sorted(set.intersection(*(set(names) for names in held)))
+    engines.apply_async(rank_calls.rewrap_models, common).get(timeout=_remaining(deadline))
     resumed = _restore(client, new_ranks, [info.rank for info in survivors], deadline)
     return Comeback(new_ranks, time.perf_counter() - began, resumed)
 

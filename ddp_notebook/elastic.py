@@ -131,24 +131,26 @@ def begin_replay(spec: dict[str, Any]) -> None:
     rank_side._publish_names(context)
 
 
-def rewrap_models() -> int:
-    """Every rank at once, after a rank was replaced: each model from `prepare_model` gets a fresh
-    DDP reducer over the new group (in place: the names that hold it keep working).
+def wrapped_names() -> list[str]:
+    """Names in the rank's namespace that hold a model from `prepare_model`."""
+    wrappers = set(map(id, rank_side._state["wrappers"]))
+    return sorted(name for name, value in _namespace().items() if id(value) in wrappers)
+
+
+def rewrap_models(names: list[str]) -> None:
+    """Every rank at once, after a rank was replaced: the models these names hold (every rank has
+    them: the setup cells made them) get a fresh DDP reducer over the new group, in place.
 
     A survivor's reducer has rebuilt its gradient buckets long ago, a new rank's has not, and
     the rebuild is a collective: left as they are, the two would pair different collectives.
     """
-    wrappers = sorted(
-        (w for w in rank_side._state["wrappers"] if hasattr(w, "_ddp_notebook_wrap")),
-        key=lambda w: w._ddp_notebook_wrap[0],
-    )
-    for wrapper in wrappers:
+    namespace = _namespace()
+    for name in names:
+        wrapper = namespace[name]
+        kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
         wrapper.reducer._remove_autograd_hooks()
-        fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **wrapper._ddp_notebook_wrap[1])
-        wrap = wrapper._ddp_notebook_wrap
+        fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
         wrapper.__dict__.update(fresh.__dict__)
-        wrapper._ddp_notebook_wrap = wrap
-    return len(wrappers)
 
 
 # ---------------------------------------------------------------- inside

@@ -425,9 +425,7 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
         ddp_kwargs.setdefault("device_ids", [current.device.index])
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
-    # how to wrap it again, and in which order, when a rank is replaced (elastic.rewrap_models)
-    _state["wrapped"] = _state.get("wrapped", 0) + 1
-    wrapper._ddp_notebook_wrap = (_state["wrapped"], dict(ddp_kwargs))  # type: ignore[assignment]
+    wrapper._ddp_notebook_kwargs = dict(ddp_kwargs)  # to wrap it again when a rank is replaced (elastic)
     return wrapper
 
 

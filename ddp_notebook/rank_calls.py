@@ -150,11 +150,18 @@ def snapshot_numbers() -> list[int]:
     return elastic.snapshot_numbers() if elastic is not None else []
 
 
-def rewrap_models() -> int:
+def wrapped_names() -> list[str]:
+    """Names of the rank's namespace that hold a model from prepare_model."""
+    from ddp_notebook import elastic
+
+    return elastic.wrapped_names()
+
+
+def rewrap_models(names: list[str]) -> None:
     """Every rank at once after a rank was replaced: fresh DDP reducers over the new group."""
     from ddp_notebook import elastic
 
-    return elastic.rewrap_models()
+    elastic.rewrap_models(names)
 
 
 def restore_snapshot(seq: int, source: int) -> str:

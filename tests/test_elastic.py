@@ -1,0 +1,175 @@
+"""A dead rank comes back with the tracked state: real 2-rank gloo worlds, real SIGKILLs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddp_notebook import DDPCluster, RankDiedError, WorldBrokenError
+from ddp_notebook.rank import EpochDataLoader, ResumableSampler
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.integration
+
+SAMPLES, EPOCHS = 64, 2
+
+# the model, data and optimizer of both runs; {p} prefixes the names so that the reference
+# run and the tracked run share one world without touching each other's state
+BUILD = """
+import torch
+from torch.utils.data import TensorDataset
+torch.manual_seed(0)
+{p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
+{p}net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+{p}model = ddp_notebook.prepare_model({p}net)
+{p}opt = torch.optim.SGD({p}model.parameters(), lr=0.05, momentum=0.9)
+{p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
+{p}step = 0
+{p}seen = []  # the global sample ids of every step, gathered from all ranks
+"""
+TRACK = "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, seen=seen, snapshot_every=3)"
+# resumable: the loop runs until the loader started every epoch; a resumed epoch skips what it used
+TRAIN = """
+import os, signal
+while {p}loader.epoch < {epochs}:
+    for x, y, ids in {p}loader:
+        if rank == KILL_RANK and {p}step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, ids.tolist())
+        {p}seen.append(sum(gathered, []))
+        loss = torch.nn.functional.mse_loss({p}model(x), y)
+        {p}opt.zero_grad()
+        loss.backward()
+        {p}opt.step()
+        {p}step += 1
+"""
+PARAMS = "[p.detach().clone() for p in {p}model.parameters()]"
+
+
+def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1) -> None:
+    world.push({"KILL_RANK": kill_rank, "KILL_AT": kill_at})
+    world.execute(TRAIN.format(p=prefix, epochs=EPOCHS))
+
+
+def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
+    world.execute(f"params_now = {PARAMS.format(p=prefix)}")
+    return world.pull("params_now")
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _each_sample_once_per_epoch(seen: list[list[int]]) -> None:
+    steps_per_epoch = len(seen) // EPOCHS
+    assert len(seen) == steps_per_epoch * EPOCHS
+    for epoch in range(EPOCHS):
+        used = sorted(i for step in seen[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch] for i in step)
+        assert used == list(range(SAMPLES)), f"epoch {epoch}: samples used {used}"
+
+
+def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
+    with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
+        # the reference: the same training, uninterrupted, in this world
+        world.execute(BUILD.format(p="ref_", n=SAMPLES))
+        _train(world, "ref_")
+        reference = _params(world, "ref_")
+        reference_seen = world.pull("ref_seen", ranks=[0])[0]
+        assert _bitwise_equal(reference[0], reference[1])
+
+        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        world.execute("untracked = 'kept'")
+        survivor_pid = world.ranks[0].pid
+        # rank 1 dies mid-epoch (epoch 1, step 11 of 16); the world is back without any call
+        with pytest.raises(RankDiedError) as caught:
+            _train(world, "", kill_rank=1, kill_at=11)
+        message = str(caught.value)
+        assert message.startswith("rank 1 was killed by SIGKILL. Rank 1 came back in ")
+        assert "the snapshot taken at epoch 1, batch 3" in message  # snapshot_every=3, 8 steps an epoch
+        assert world.state == "healthy" and not world.broken and world.restarts == 1
+        assert world.ranks[0].pid == survivor_pid and world.last_comeback_seconds is not None
+        assert world.pull("step") == {0: 11, 1: 11}  # the snapshot after step 11, taken before rank 1 died
+        assert world.pull("untracked", ranks=[0]) == {0: "kept"}  # the survivor keeps its other variables...
+        with pytest.raises(Exception, match="'untracked' is not defined on rank"):
+            world.pull("untracked", ranks=[1])  # ...the new rank has what the setup cells made
+        assert world.pull("data", ranks=[1])[1] is not None
+
+        _train(world, "")  # the same cell again continues from the snapshot
+        params = _params(world, "")
+        for rank in (0, 1):
+            assert _bitwise_equal(params[rank], reference[0]), f"rank {rank} differs from the uninterrupted run"
+        seen = world.pull("seen")
+        assert seen[0] == seen[1] == reference_seen
+        _each_sample_once_per_epoch(seen[0])
+
+        # rank 0 holds the rendezvous: it comes back too, and the end-of-cell snapshot is restored
+        with pytest.raises(
+            RankDiedError, match=r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
+        ):
+            world.execute("import os, signal\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        after = _params(world, "")
+        assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
+        assert world.execute("dist.get_world_size()", stream=False).value_text(0) == "2"
+
+        # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
+        with pytest.raises(RankDiedError, match=r"rank 1 was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"):
+            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        assert world.state == "broken"
+        with pytest.raises(WorldBrokenError):
+            world.execute("1")
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_message(
+    no_leaks: None, tmp_path: Path
+) -> None:
+    trap = tmp_path / "die-on-replay"
+    setup = f"import os, signal\nif os.path.exists({str(trap)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)"
+    with DDPCluster(2, backend="gloo", timeout=60) as world:
+        world.execute(setup, setup=True)
+        trap.write_text("")
+        with pytest.raises(RankDiedError) as caught:
+            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        assert str(caught.value) == (
+            "rank 1 was killed by SIGKILL. bringing it back failed: the new rank 1 was killed by SIGKILL in setup "
+            "cell 1 of 1; its state is lost; %ddp_restart (or restart()) starts a full world again"
+        )
+        assert world.state == "broken"
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
+    with pytest.raises(Exception, match="a setup cell runs on every rank"):
+        world.execute("x = 1", ranks=[0], setup=True)
+
+
+def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
+    # one process, both shards of a 2-rank sampler: the loader's own bookkeeping, no world needed
+    data = TensorDataset(torch.arange(20))
+    loaders = [
+        EpochDataLoader(data, batch_size=3, sampler=ResumableSampler(data, num_replicas=2, rank=r, seed=5))
+        for r in range(2)
+    ]
+    used: list[int] = []
+    states = []
+    for loader in loaders:
+        for number, (batch,) in enumerate(loader):
+            if number == 2:
+                break  # the rank died while on its third batch: two were used
+            used.extend(batch.tolist())
+        states.append(loader.position_state())
+    assert states == [(1, 2, True), (1, 2, True)]
+    for loader, state in zip(loaders, states):
+        loader.resume_from(state)
+        for (batch,) in loader:
+            used.extend(batch.tolist())
+        assert loader.epoch == 1 and not loader.in_epoch
+    assert sorted(used) == list(range(20))
+    epoch_1 = [loader.sampler for loader in loaders]
+    assert [len(list(s)) for s in epoch_1] == [10, 10]  # the skip applied to the resumed epoch only
