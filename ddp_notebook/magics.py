@@ -139,6 +139,12 @@ class DDPMagics(Magics):
         action="store_true",
         help="start the ranks even if they do not fit this machine's cores or memory (refused otherwise)",
     )
+    @argument(
+        "--max-restarts",
+        type=int,
+        default=config.DEFAULT_MAX_RESTARTS,
+        help="dead ranks the world replaces by itself, back at the last snapshot (default: %(default)s; 0: never)",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @line_magic
     @_usage_errors
@@ -222,6 +228,11 @@ class DDPMagics(Magics):
     @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
     @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
     @argument("--append", action="store_true", help="add this cell's progress and metrics to the previous live view")
+    @argument(
+        "--setup",
+        action="store_true",
+        help="this cell sets a rank up: it is replayed on a rank that replaces a dead one",
+    )
     @cell_magic
     @_usage_errors
     def ddp(self, line: str, cell: str) -> None:
@@ -232,7 +243,9 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         world = self._running_world()
         feed = self.recorder.feed(_make_view, append=args.append)
-        result = _execute_live(world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream)
+        result = _execute_live(
+            world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream, setup=args.setup
+        )
         if args.no_stream:
             _print_collected(result)
         text = format_values(result)

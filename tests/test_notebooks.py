@@ -159,6 +159,11 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         check_notebook_to_script(text, tmp_path)
     if path.name == "06_multi_node.ipynb":
         check_multi_node(text)
+    if path.name == "07_elastic.ipynb":
+        assert re.search(r"rank 1 was killed by SIGKILL\. Rank 1 came back in [\d.]+ s", text)
+        assert "every rank is back at the snapshot taken at epoch 1, batch 3" in text
+        assert "step 16; weights identical on all ranks: True" in text
+        assert "each sample once per epoch: True" in text
 
 
 def test_there_are_notebooks() -> None:
