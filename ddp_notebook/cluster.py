@@ -9,6 +9,7 @@ in a `WorldLifecycle`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -457,6 +458,40 @@ class DDPCluster:
         self._lifecycle.healed()
         self.last_heal_seconds = time.perf_counter() - began
         return self.last_heal_seconds
+
+    def resize(self, n_ranks: int) -> float:
+        """Grow or shrink the running world to `n_ranks` ranks (`%ddp_resize N`); returns seconds.
+
+        The ranks that stay keep all their variables; new ranks get the setup cells
+        (`setup=True`) replayed and the tracked state (`ddp_notebook.track`) from rank 0; ranks
+        past `n_ranks` end. Models from `prepare_model` move to the new group, and loaders from
+        `prepare_loader` deal the rest of the epoch's global order over the new ranks.
+        """
+        self._require_running()
+        config._check_rank_count(n_ranks)
+        assert self._provisioner is not None and self._controller is not None and self._layout is not None
+        if self.config.gpus:
+            raise DDPUsageError("resizing a world of GPU ranks is not supported yet: %ddp_start it again with N ranks")
+        if n_ranks == self.world_size:
+            return 0.0
+        if self.needs_heal:
+            self.heal()
+        busy = self._controller.busy(self.ranks)
+        if busy:
+            raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
+        try:
+            done = comeback.resize(
+                self._provisioner, self.config, self._layout, self._ranks, n_ranks, self.setup_cells, self._private_dir
+            )
+        except DDPError as failure:
+            raise DDPError(f"could not resize the world to {n_ranks} ranks: {failure}; %ddp_restart") from None
+        except Exception as failure:  # noqa: BLE001  (any remote failure ends the resize)
+            raise DDPError(
+                f"could not resize the world to {n_ranks} ranks: {one_line(failure)}; %ddp_restart"
+            ) from None
+        self._ranks, self._views = done.ranks, {}
+        self.config = self._provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks)
+        return done.seconds
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""

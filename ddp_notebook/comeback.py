@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import forming, rank_calls
+from . import forming, layout, rank_calls
 from .config import WorldConfig
 from .errors import DDPError, one_line
 from .provisioning import Provisioner
@@ -46,17 +46,77 @@ def bring_back(
     """
     began = time.perf_counter()
     deadline = began + config.start_timeout
-    client = provisioner.client
     lost = sorted(dead)
     survivors = [info for rank, info in sorted(ranks.items()) if rank not in lost]
-    known = set(client.ids)
-    provisioner.add(lost)
-    new_engines = _wait_for_new_engines(provisioner, known, lost, deadline)
-    for rank, (engine_id, pid) in new_engines.items():
-        world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=engine_id, pid=pid)
+    started = _start_ranks(provisioner, lost, deadline)
+    for rank, new in started.items():  # the same place, another process
+        world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=new.engine_id, pid=new.pid)
     _replay_setup(provisioner, config, world, lost, setup_cells, deadline)
+    return _regroup(provisioner, config, world, survivors, stack_dir, began, deadline)
+
+
+def resize(
+    provisioner: Provisioner,
+    config: WorldConfig,
+    world: forming.WorldLayout,
+    ranks: dict[int, RankInfo],
+    size: int,
+    setup_cells: list[str],
+    stack_dir: str | None,
+) -> Comeback:
+    """Grow or shrink a running world to `size` ranks: the ranks that stay keep everything; new
+    ranks get the setup cells replayed and the tracked state from rank 0; the ranks past `size`
+    end. Every rank goes to a snapshot taken now, so tracked loaders deal the rest of their
+    epoch over the new ranks."""
+    began = time.perf_counter()
+    deadline = began + config.start_timeout
+    client = provisioner.client
+    old = len(world.placements)
+    everyone = client[[ranks[r].engine_id for r in sorted(ranks)]]
+    everyone.apply_async(rank_calls.take_snapshot, "the resize").get(timeout=_remaining(deadline))
+    staying = [ranks[r] for r in sorted(ranks) if r < size]
+    if size > old:
+        added = list(range(old, size))
+        started = _start_ranks(provisioner, added, deadline)
+        _renumber(world, world.placements, [started[slot] for slot in added])
+        _replay_setup(provisioner, config, world, added, setup_cells, deadline)
+    else:
+        leaving = [ranks[r] for r in sorted(ranks) if r >= size]
+        everyone.apply_async(rank_calls.release_group).get(timeout=_remaining(deadline))
+        provisioner.remove(leaving)
+        _renumber(world, world.placements[:size], [])
+    return _regroup(provisioner, config, world, staying, stack_dir, began, deadline)
+
+
+def _start_ranks(provisioner: Provisioner, slots: list[int], deadline: float) -> dict[int, layout.EngineIdentity]:
+    """New processes for `slots`, once they registered."""
+    known = set(provisioner.client.ids)
+    provisioner.add(slots)
+    return _wait_for_new_engines(provisioner, known, slots, deadline)
+
+
+def _renumber(world: forming.WorldLayout, kept: list[layout.Placement], new: list[layout.EngineIdentity]) -> None:
+    """Place the ranks again (local rank and size per host), each keeping its number (CPU ranks)."""
+    identities = [layout.EngineIdentity(p.engine_id, p.host, p.pid, slot=p.rank) for p in kept]
+    world.placements = layout.place_ranks(identities + new, use_gpus=False)
+    route = world.routes[0]
+    world.routes = {p.rank: world.routes.get(p.rank, route) for p in world.placements}
+
+
+def _regroup(
+    provisioner: Provisioner,
+    config: WorldConfig,
+    world: forming.WorldLayout,
+    survivors: list[RankInfo],
+    stack_dir: str | None,
+    began: float,
+    deadline: float,
+) -> Comeback:
+    """The survivors leave their group, every rank joins a new one, DDP models are wrapped again
+    and every rank loads the newest snapshot the survivors share."""
+    client = provisioner.client
     if survivors:
-        # survivors leave the group the dead rank was in (models from prepare_model move with them)
+        # survivors leave the group they were in (models from prepare_model move with them)
         client[[info.engine_id for info in survivors]].apply_async(rank_calls.release_group).get(
             timeout=_remaining(deadline)
         )
@@ -76,8 +136,8 @@ def _remaining(deadline: float) -> float:
 
 def _wait_for_new_engines(
     provisioner: Provisioner, known: set[int], slots: list[int], deadline: float
-) -> dict[int, tuple[int, int]]:
-    """slot -> (engine id, pid) of the processes started for `slots`, once each registered."""
+) -> dict[int, layout.EngineIdentity]:
+    """slot -> who the process started for it is, once each registered."""
     client = provisioner.client
     while len(set(client.ids) - known) < len(slots):
         if time.perf_counter() > deadline:
@@ -92,7 +152,9 @@ def _wait_for_new_engines(
     found = {}
     for engine_id, report in zip(described.engine_id, reports):
         if report.slot in slots:
-            found[report.slot] = (engine_id, report.pid)
+            found[report.slot] = layout.EngineIdentity(
+                engine_id, report.host, report.pid, slot=report.slot, gpus=report.gpus
+            )
     if sorted(found) != slots:
         raise DDPError(f"the new processes did not say they were rank(s) {', '.join(map(str, slots))}")
     return found
@@ -112,7 +174,7 @@ def _replay_setup(
 ) -> None:
     """Each new rank becomes its rank in a group of its own and runs the setup cells, in order."""
     client = provisioner.client
-    placements = [world.placements[rank] for rank in ranks]
+    placements = [p for p in world.placements if p.rank in ranks]
     pending = [
         client[p.engine_id].apply_async(rank_calls.begin_replay, forming.rank_spec(config, world, p, 0, None))
         for p in placements

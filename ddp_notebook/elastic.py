@@ -54,8 +54,10 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
     for name, obj in objects.items():
-        if isinstance(obj, torch.utils.data.DataLoader) and not isinstance(obj, rank_side.EpochDataLoader):
-            raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is a plain DataLoader)")
+        if isinstance(obj, torch.utils.data.DataLoader) and not (
+            isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
+        ):
+            raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
         _tracked[name] = obj if _restorable(obj) else _NAMESPACE
     _settings["every"] = snapshot_every
     for obj in _tracked.values():
@@ -181,8 +183,8 @@ def _after_cell(result: Any) -> None:
 
 
 def _after_batch(loader: rank_side.EpochDataLoader) -> None:
-    if _tracked and loader.position % _settings["every"] == 0:
-        snapshot(f"epoch {loader.epoch - 1}, batch {loader.position}")
+    if _tracked and loader.batches_done % _settings["every"] == 0:
+        snapshot(f"epoch {loader.epoch - 1}, batch {loader.batches_done}")
 
 
 def _module(obj: torch.nn.Module) -> torch.nn.Module:

@@ -288,6 +288,20 @@ class DDPMagics(Magics):
 
     @line_magic
     @_usage_errors
+    def ddp_resize(self, line: str = "") -> None:
+        """Grow or shrink the running world to N ranks: `%ddp_resize 3`.
+
+        The ranks that stay keep their variables; new ranks run the `%%ddp --setup` cells and
+        get the tracked state from rank 0.
+        """
+        if not line.strip():
+            raise DDPUsageError("%ddp_resize needs the number of ranks, e.g. %ddp_resize 3")
+        n_ranks = config.parse_rank_count(line.strip())
+        seconds = self._running_world().resize(n_ranks)
+        print(f"the world has {n_ranks} ranks now (resized in {seconds:.1f} s)")
+
+    @line_magic
+    @_usage_errors
     def ddp_metrics(self, line: str = "") -> Metrics:
         """What the ranks logged with ddp_notebook.log in the latest cell that logged: `m = %ddp_metrics`.
 

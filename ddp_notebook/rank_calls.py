@@ -164,6 +164,16 @@ def rewrap_models(names: list[str]) -> None:
     elastic.rewrap_models(names)
 
 
+def take_snapshot(where: str) -> int | None:
+    """A snapshot of the tracked state now; None where nothing is tracked."""
+    import sys
+
+    elastic = sys.modules.get("ddp_notebook.elastic")
+    if elastic is None or not elastic.tracked():
+        return None
+    return int(elastic.snapshot(where))
+
+
 def restore_snapshot(seq: int, source: int) -> str:
     """Every rank at once: load snapshot `seq` as rank `source` sends it; says where it was taken."""
     from ddp_notebook import elastic

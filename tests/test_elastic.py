@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp_notebook import DDPCluster, RankDiedError, WorldBrokenError
 from ddp_notebook.rank import EpochDataLoader, ResumableSampler
@@ -20,7 +20,7 @@ SAMPLES, EPOCHS = 64, 2
 # run and the tracked run share one world without touching each other's state
 BUILD = """
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 torch.manual_seed(0)
 {p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
 {p}net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -50,9 +50,9 @@ while {p}loader.epoch < {epochs}:
 PARAMS = "[p.detach().clone() for p in {p}model.parameters()]"
 
 
-def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1) -> None:
+def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1, epochs: int = EPOCHS) -> None:
     world.push({"KILL_RANK": kill_rank, "KILL_AT": kill_at})
-    world.execute(TRAIN.format(p=prefix, epochs=EPOCHS))
+    world.execute(TRAIN.format(p=prefix, epochs=epochs))
 
 
 def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
@@ -144,32 +144,103 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
     assert wait_gone(pids) == []
 
 
+def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> None:
+    with DDPCluster(2, backend="gloo", timeout=60) as world:
+        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        world.execute("untracked = rank * 10")
+        _train(world, "")  # two epochs at 2 ranks
+        before = _params(world, "")
+        assert world.pull("step") == {0: 16, 1: 16}
+        survivors = [info.pid for info in world.ranks]
+
+        assert world.resize(3) > 0
+        assert world.world_size == 3 and world.config.n_ranks == 3
+        assert [info.pid for info in world.ranks][:2] == survivors
+        assert world.pull("world_size") == {0: 3, 1: 3, 2: 3}
+        assert world.pull("untracked", ranks=[0, 1]) == {0: 0, 1: 10}  # survivors keep their variables
+        assert world.pull("step") == {0: 16, 1: 16, 2: 16}  # the new rank got the tracked state...
+        grown = _params(world, "")
+        for rank in (0, 1, 2):
+            assert _bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
+        world.execute("print(type(data).__name__, len(loader.sampler), model.process_group.size())", ranks=[2])
+
+        # a third epoch at 3 ranks: every sample once (64 over 3 ranks: 2 repeated to even the shards)
+        _train(world, "", epochs=3)
+        seen = world.pull("seen")
+        assert seen[0] == seen[1] == seen[2]
+        third = [i for step in seen[0][16:] for i in step]  # 6 steps: 22 samples a rank, 4 a batch
+        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == 66
+        grown = _params(world, "")
+        assert _bitwise_equal(grown[0], grown[1]) and _bitwise_equal(grown[0], grown[2])
+        assert not _bitwise_equal(grown[0], before[0])  # it trained
+
+        leaving = world.ranks[2].pid
+        assert world.resize(2) > 0
+        assert world.world_size == 2 and wait_gone([leaving]) == []
+        assert world.pull("world_size") == {0: 2, 1: 2}
+        _train(world, "", epochs=4)
+        seen = world.pull("seen")
+        fourth = sorted(i for step in seen[0][16 + 6 :] for i in step)
+        assert fourth == list(range(SAMPLES))
+        after = _params(world, "")
+        assert _bitwise_equal(after[0], after[1]) and not _bitwise_equal(after[0], grown[0])
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
 def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
     with pytest.raises(Exception, match="a setup cell runs on every rank"):
         world.execute("x = 1", ranks=[0], setup=True)
 
 
-def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
-    # one process, both shards of a 2-rank sampler: the loader's own bookkeeping, no world needed
-    data = TensorDataset(torch.arange(20))
-    loaders = [
-        EpochDataLoader(data, batch_size=3, sampler=ResumableSampler(data, num_replicas=2, rank=r, seed=5))
-        for r in range(2)
+def _loaders(data: TensorDataset, replicas: int) -> list[EpochDataLoader]:
+    return [
+        EpochDataLoader(data, batch_size=3, sampler=ResumableSampler(data, num_replicas=replicas, rank=r, seed=5))
+        for r in range(replicas)
     ]
-    used: list[int] = []
-    states = []
+
+
+def _use(loaders: list[EpochDataLoader], batches: int | None, used: list[int]) -> None:
     for loader in loaders:
         for number, (batch,) in enumerate(loader):
-            if number == 2:
-                break  # the rank died while on its third batch: two were used
+            if number == batches:
+                break  # the rank died while on this batch: the ones before it were used
             used.extend(batch.tolist())
-        states.append(loader.position_state())
-    assert states == [(1, 2, True), (1, 2, True)]
+
+
+def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
+    # one process, every shard of a 2-rank sampler: the loader's own bookkeeping, no world needed
+    data = TensorDataset(torch.arange(20))
+    loaders = _loaders(data, 2)
+    used: list[int] = []
+    _use(loaders, 2, used)
+    states = [loader.position_state() for loader in loaders]
+    assert states == [(1, 12, True), (1, 12, True)]  # epoch 1 begun, 2 batches of 3 on 2 ranks used
     for loader, state in zip(loaders, states):
         loader.resume_from(state)
-        for (batch,) in loader:
-            used.extend(batch.tolist())
-        assert loader.epoch == 1 and not loader.in_epoch
+    _use(loaders, None, used)
+    assert all(loader.epoch == 1 and not loader.in_epoch for loader in loaders)
     assert sorted(used) == list(range(20))
-    epoch_1 = [loader.sampler for loader in loaders]
-    assert [len(list(s)) for s in epoch_1] == [10, 10]  # the skip applied to the resumed epoch only
+    # the next epoch is whole again, and the same as a plain DistributedSampler's
+    reference = [list(DistributedSampler(data, num_replicas=2, rank=r, seed=5)) for r in range(2)]
+    for sampler in (loader.sampler for loader in loaders):
+        sampler.set_epoch(0)
+    assert [list(loader.sampler) for loader in loaders] == reference
+
+
+def test_a_resized_world_deals_the_rest_of_the_epoch_over_the_new_ranks() -> None:
+    data = TensorDataset(torch.arange(20))
+    two = _loaders(data, 2)
+    used: list[int] = []
+    _use(two, 2, used)
+    state = two[0].position_state()
+    three = _loaders(data, 3)  # the survivors' samplers, dealt again, and a new rank's
+    for loader in three:
+        loader.resume_from(state)
+    _use(three, None, used)
+    assert sorted(set(used)) == list(range(20))  # nothing skipped
+    # 8 samples left for 3 ranks: one repeated so each rank takes as many steps
+    assert len(used) == 12 + 9
+    sampler = two[0].sampler
+    sampler.reshard(3, 2)
+    assert (sampler.num_replicas, sampler.rank, sampler.num_samples, sampler.total_size) == (3, 2, 7, 21)

@@ -38,6 +38,8 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --backend mpi", "--backend must be one of"),
         ("%ddp_start 2 --timeout 0", "timeout must be a number of seconds"),
         ("%ddp_start 2 --max-restarts -1", "max restarts must be >= 0"),
+        ("%ddp_resize", "%ddp_resize needs the number of ranks"),
+        ("%ddp_resize two", "'two' is not a number of ranks"),
         ("%ddp_start 2 --frobnicate", "unrecognized arguments"),
         ("%ddp_status", "no DDP world is running"),
         ("%ddp_stop now", "takes no arguments"),
