@@ -164,6 +164,10 @@ def test_notebook_runs(path: Path, tmp_path: Path) -> None:
         assert "every rank is back at the snapshot taken at epoch 1, batch 3" in text
         assert "step 16; weights identical on all ranks: True" in text
         assert "each sample once per epoch: True" in text
+        assert "the world has 3 ranks now" in text and "the world has 2 ranks now" in text
+        assert "3 ranks, step 22; weights identical on all ranks: True" in text
+        assert "third epoch used every sample: True" in text
+        assert "2 ranks, step 30; weights identical on all ranks: True" in text
 
 
 def test_there_are_notebooks() -> None:
