@@ -58,6 +58,11 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
         ):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
+        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj):
+            raise TypeError(
+                f"'{name}' is sharded (FSDP2): tracking sharded models is not supported yet; "
+                "save it with ddp_notebook.save_checkpoint instead"
+            )
         _tracked[name] = obj if _restorable(obj) else _NAMESPACE
     _settings["every"] = snapshot_every
     for obj in _tracked.values():

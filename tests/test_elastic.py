@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddp_notebook import DDPCluster, RankDiedError, WorldBrokenError
+from ddp_notebook import DDPCluster, RankDiedError, RankError, WorldBrokenError
 from ddp_notebook.rank import EpochDataLoader, ResumableSampler
 from tests.conftest import wait_gone
 
@@ -191,6 +191,19 @@ def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> Non
 def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
     with pytest.raises(Exception, match="a setup cell runs on every rank"):
         world.execute("x = 1", ranks=[0], setup=True)
+
+
+def test_what_cannot_be_tracked_is_refused_with_one_line(world: DDPCluster) -> None:
+    sharded = "sharded = ddp_notebook.shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))"
+    try:
+        with pytest.raises(RankError, match=r"'sharded' is sharded \(FSDP2\): tracking sharded models is not"):
+            world.execute(f"{sharded}\nddp_notebook.track(sharded=sharded)")
+        plain = "plain = torch.utils.data.DataLoader(list(range(4)))\nddp_notebook.track(plain=plain)"
+        with pytest.raises(RankError, match=r"track a loader made by ddp_notebook\.prepare_loader"):
+            world.execute(plain)
+    finally:
+        world.execute("sharded = plain = None")  # the shared world's later heals need not move it
+    assert world.execute("from ddp_notebook import elastic\nelastic.tracked()", stream=False).value_text(0) == "[]"
 
 
 def _loaders(data: TensorDataset, replicas: int) -> list[EpochDataLoader]:
