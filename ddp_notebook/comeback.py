@@ -1,8 +1,9 @@
 """A dead rank comes back: a new process, the setup cells replayed, the group formed again at
-the same size, and every rank brought to the last snapshot of the tracked state.
+the same size, and every rank brought to the last snapshot of the tracked state. Resizing a
+world (`resize`) is the same steps with ranks added or ended.
 
 Notebook side (no torch). `DDPCluster` calls `bring_back` when a cell found a rank's process
-gone; the rank side of it is `elastic.py`.
+gone, and `resize` for `DDPCluster.resize`; the rank side of both is `elastic.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ DEATH_CHECK_SECONDS = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class Comeback:
-    """What `bring_back` did."""
+    """What `bring_back` or `resize` did."""
 
     ranks: dict[int, RankInfo]  # the new rank map
     seconds: float
@@ -143,7 +144,7 @@ def _wait_for_new_engines(
         if time.perf_counter() > deadline:
             raise DDPError(
                 f"the new process for rank(s) {', '.join(map(str, slots))} did not register within "
-                f"{config_seconds(provisioner):g} s"
+                f"{_start_timeout(provisioner):g} s"
             )
         time.sleep(POLL_SECONDS)
     new_ids = sorted(set(client.ids) - known)
@@ -160,7 +161,7 @@ def _wait_for_new_engines(
     return found
 
 
-def config_seconds(provisioner: Provisioner) -> float:
+def _start_timeout(provisioner: Provisioner) -> float:
     return provisioner.config.start_timeout
 
 
@@ -194,7 +195,7 @@ def _wait(provisioner: Provisioner, placement: Any, result: Any, deadline: float
     while not result.ready():
         now = time.perf_counter()
         if now > deadline:
-            seconds = config_seconds(provisioner)
+            seconds = _start_timeout(provisioner)
             raise DDPError(f"the new rank {placement.rank} did not answer {during} within {seconds:g} s")
         if now > next_check:
             next_check = now + DEATH_CHECK_SECONDS
