@@ -344,7 +344,7 @@ class DDPCluster:
         failures = tuple(relay.failures())
         heal_note = came_back = ""
         if relay.dead:
-            came_back, heal_note = self._replace_dead(dict(relay.dead))
+            came_back, heal_note = self._replace_dead(dict(relay.dead), relay.unfinished())
         elif relay.released or breaks_process_group(failures):
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
@@ -364,7 +364,7 @@ class DDPCluster:
             self.setup_cells.append(code)
         return outcome
 
-    def _replace_dead(self, dead: dict[int, str]) -> tuple[str, str]:
+    def _replace_dead(self, dead: dict[int, str], unfinished: tuple[int, ...]) -> tuple[str, str]:
         """New processes for dead ranks, brought to the last snapshot (`comeback`); past
         `config.max_restarts`, or where that fails, the world is broken as before.
 
@@ -376,6 +376,9 @@ class DDPCluster:
             most = self.config.max_restarts
             return "", f"this world replaced {self.restarts} dead rank(s) already (max_restarts={most})"
         self.restarts += len(dead)
+        running = tuple(rank for rank in unfinished if rank not in dead)
+        if running and self._supervisor is not None:
+            self._supervisor.interrupt(running)  # survivors still in the cell: the comeback waits for them
         try:
             done = comeback.bring_back(
                 self._provisioner,

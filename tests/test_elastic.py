@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,11 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
     setup = f"import os, signal\nif os.path.exists({str(trap)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)"
     with DDPCluster(2, backend="gloo", timeout=60) as world:
         world.execute(setup, setup=True)
+        # a survivor still running its cell is interrupted: the comeback does not wait for it to end
+        began = time.monotonic()
+        with pytest.raises(RankDiedError, match="Rank 1 came back in"):
+            world.execute("import os, time\nif rank == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(99)")
+        assert time.monotonic() - began < 60 and world.state == "healthy"
         trap.write_text("")
         with pytest.raises(RankDiedError) as caught:
             world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
