@@ -40,6 +40,7 @@ from .state import WorldState
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
+    from .elastic import snapshot, track
     from .rank import (
         barrier,
         is_main,
@@ -59,6 +60,8 @@ _RANK_HELPERS = (
     "save_checkpoint",
     "shard_model",
 )
+# the training state a world keeps alive when a rank dies (rank side, imports torch)
+_ELASTIC_NAMES = ("snapshot", "track")
 # live progress and metrics (standard library only, no torch)
 _CHANNEL_NAMES = ("Metrics", "log", "progress")
 
@@ -94,6 +97,8 @@ __all__ = [
     "progress",
     "save_checkpoint",
     "shard_model",
+    "snapshot",
+    "track",
     "unload_ipython_extension",
     "warm_up",
 ]
@@ -105,6 +110,10 @@ def __getattr__(name: str) -> Any:
 
         value = globals()[name] = getattr(channel, name)  # cached: log() runs every step
         return value
+    if name in _ELASTIC_NAMES:
+        from . import elastic
+
+        return getattr(elastic, name)
     if name in _RANK_HELPERS:
         from . import rank
 
