@@ -91,6 +91,68 @@ FAILURE_WORDS = re.compile(
 )
 WORKLOAD = f"import json, sys\nsys.path.insert(0, {str(BENCH_DIR)!r})\nimport train_workload\n"
 HEALED = re.compile(r"set up again in ([\d.]+) s")  # what ddp_notebook tells the user after a heal
+# the elastic scenario: train_workload's MLP on synthetic data, tracked (a snapshot every K steps)
+ELASTIC_STEPS = 60
+ELASTIC_SETUP = """
+import time, json, torch
+from torch.utils.data import TensorDataset
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(16384, 64), torch.randint(0, 10, (16384,)))
+model = ddp_notebook.prepare_model(torch.nn.Sequential(
+    torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+loader = ddp_notebook.prepare_loader(data, batch_size=64)
+plain_loader = ddp_notebook.prepare_loader(data, batch_size=64)
+step = 0
+ddp_notebook.track(model=model, optimizer=optimizer, loader=loader, step=step)
+"""
+ELASTIC_COST = """
+from ddp_notebook import elastic
+def run(source, steps):
+    global step
+    dist.barrier()
+    began = time.perf_counter()
+    for number, (x, y) in enumerate(source):
+        if number == steps:
+            break
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+        step += 1
+    dist.barrier()
+    return time.perf_counter() - began
+tracked = plain = 0.0
+for block in range({blocks}):
+    for kind in (("tracked", "plain") if block % 2 == 0 else ("plain", "tracked")):
+        took = run(loader if kind == "tracked" else plain_loader, {steps})
+        if kind == "tracked":
+            tracked += took
+        else:
+            plain += took
+snapshot_s = []
+for _ in range(10):
+    began = time.perf_counter()
+    elastic.snapshot()
+    snapshot_s.append(time.perf_counter() - began)
+print(json.dumps({{"tracked_s": tracked, "plain_s": plain, "steps": {blocks} * {steps},
+    "every": elastic._settings["every"], "snapshot_mib": elastic.snapshot_bytes() / 2**20,
+    "snapshot_ms": 1000 * sorted(snapshot_s)[len(snapshot_s) // 2]}}))
+"""
+ELASTIC_DEATH = """
+import os, signal, time
+weights_before = [p.detach().clone() for p in model.parameters()]
+if rank == 1:
+    with open(@EVENT@, "w") as handle:
+        handle.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+ELASTIC_CHECK = """
+now = [p.detach() for p in model.parameters()]
+reference = [t.clone() for t in now]
+for t in reference:
+    dist.broadcast(t, src=0)
+print("same", all(torch.equal(a, b) for a, b in zip(now, reference)))
+"""
 UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 GLOG_PREFIX = re.compile(r"^[EWIF]\d{4} [\d:.]+ \d+ \S+\] |^\[/\S+:\d+\] ")
 
@@ -597,6 +659,101 @@ class Logging(Scenario):
         return summary
 
 
+class Elastic(Scenario):
+    """A dead rank comes back with the tracked state; snapshot cost and memory; resizing."""
+
+    name = "elastic"
+    default_subjects = ("ddp_notebook",)
+
+    def reference(self, name: str) -> str | None:
+        return None
+
+    def supports(self, name: str) -> str | None:
+        if name not in ("ddp_notebook", "ddp_notebook_cold"):
+            return "no replacement of a dead rank with its state, no resize"
+        return super().supports(name)
+
+    def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
+        world = subject.world  # type: ignore[attr-defined]
+        if not hasattr(world, "resize"):
+            raise Unsupported("this ddp_notebook has no comeback (ddp_notebook.track)")
+        world.execute(ELASTIC_SETUP, setup=True, stream=False)
+        template = getattr(world.provisioner, "template", None)
+        if template is not None and template.pid:
+            from ddp_notebook import devices
+
+            notes["spare_template_rss_mb"] = devices.resident_memory_mb(template.pid)
+
+    def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
+        world = subject.world  # type: ignore[attr-defined]
+        world.restarts = 0  # every round kills a rank: never past max_restarts
+        out: dict[str, Any] = {}
+        # snapshot cost: blocks of steps through the tracked loader (a snapshot every K steps)
+        # and through an untracked one over the same data, alternating
+        cost = world.execute(ELASTIC_COST.format(blocks=4, steps=ELASTIC_STEPS), stream=False).stdout[0]
+        timing = json.loads(cost.strip().splitlines()[-1])
+        out |= timing
+        # one snapshot against the K steps it covers; and, noisier, the tracked loop against the plain one
+        step_ms = 1000 * timing["plain_s"] / timing["steps"]
+        out["snapshot_cost_pct"] = 100 * timing["snapshot_ms"] / (timing["every"] * step_ms)
+        out["tracked_over_plain_pct"] = 100 * (timing["tracked_s"] / timing["plain_s"] - 1)
+        # death -> world ready with the state restored: rank 1 SIGKILLs itself, the cell returns once
+        # the new rank joined and every rank loaded the snapshot
+        from ddp_notebook import RankDiedError
+
+        event = run.scratch / f"death-{time.monotonic_ns()}"
+        try:
+            world.execute(ELASTIC_DEATH.replace("@EVENT@", repr(str(event))), stream=False)
+        except RankDiedError as died:
+            if not died.came_back:
+                raise RuntimeError(f"the rank did not come back: {died}") from None
+        returned = time.time()
+        out["death_to_ready_s"] = returned - float(event.read_text())
+        out["comeback_s"] = world.last_comeback_seconds
+        check = world.execute(ELASTIC_CHECK, stream=False).stdout
+        out["state_restored"] = all("same True" in text for text in check.values())
+        # resize 2 -> 3 -> 2 (or N -> N+1 -> N)
+        size = world.world_size
+        began = time.perf_counter()
+        out["grow_reported_s"] = world.resize(size + 1)
+        out["grow_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        out["shrink_reported_s"] = world.resize(size)
+        out["shrink_s"] = time.perf_counter() - began
+        return out
+
+    def brief(self, sample: dict[str, Any]) -> str:
+        return (
+            f"death->ready {sample['death_to_ready_s']:.2f} s, snapshot cost {sample['snapshot_cost_pct']:.1f}%, "
+            f"grow {sample['grow_s']:.2f} s, shrink {sample['shrink_s']:.2f} s"
+        )
+
+    def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        rows = []
+        keys = ("death_to_ready_s", "comeback_s", "snapshot_ms", "snapshot_cost_pct", "tracked_over_plain_pct")
+        keys += ("snapshot_mib", "grow_s", "shrink_s")
+        for name, entry in results.items():
+            samples = entry["samples"]
+            if not samples:
+                continue
+            one = {k: statistics.median(x[k] for x in samples) for k in keys}
+            one |= {"step_ms": statistics.median(1000 * x["plain_s"] / x["steps"] for x in samples)}
+            one |= {"every": samples[0]["every"], "state_restored": all(x["state_restored"] for x in samples)}
+            one["spare_template_rss_mb"] = entry["notes"].get("spare_template_rss_mb")
+            summary[name] = one
+            rows.append([name, *(one[k] for k in keys), one["step_ms"], one["state_restored"]])
+        headers = ["subject", "death->ready s", "comeback s", "snapshot ms", "snapshot %", "tracked/plain %"]
+        headers += ["snapshots MiB/rank", "grow s", "shrink s"]
+        print_table([*headers, "step ms", "state ok"], rows)
+        print(
+            f"median of {s.repeats} rounds; snapshot %: one snapshot over the K steps it covers (K = the default "
+            f"{rows and summary[rows[0][0]]['every']}); tracked/plain %: the same steps through the tracked loader "
+            "(snapshots included) against an untracked one, alternating blocks"
+        )
+        return summary
+
+
 class Seeing(Scenario):
     """What seeing inside the ranks costs: steps/s of a model from prepare_model (its steps timed
     phase by phase) against the same plain DDP model, in one cell the X-ray reads 4 times a second."""
@@ -665,5 +822,5 @@ class Seeing(Scenario):
 
 
 SCENARIOS: dict[str, Scenario] = {
-    x.name: x for x in (Start(), Roundtrip(), Training(), Failures(), Logging(), Seeing())
+    x.name: x for x in (Start(), Roundtrip(), Training(), Failures(), Logging(), Elastic(), Seeing())
 }

@@ -42,6 +42,7 @@ from .xray import CollectiveMismatchError
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
     from .debugger import breakpoint
+    from .elastic import snapshot, track
     from .rank import (
         barrier,
         is_main,
@@ -62,6 +63,8 @@ _RANK_HELPERS = (
     "save_checkpoint",
     "shard_model",
 )
+# the training state a world keeps alive when a rank dies (rank side, imports torch)
+_ELASTIC_NAMES = ("snapshot", "track")
 # live progress and metrics (standard library only, no torch)
 _CHANNEL_NAMES = ("Metrics", "log", "progress")
 
@@ -100,6 +103,8 @@ __all__ = [
     "progress",
     "save_checkpoint",
     "shard_model",
+    "snapshot",
+    "track",
     "unload_ipython_extension",
     "warm_up",
 ]
@@ -119,6 +124,10 @@ def __getattr__(name: str) -> Any:
         from .strict import check_collectives
 
         return check_collectives
+    if name in _ELASTIC_NAMES:
+        from . import elastic
+
+        return getattr(elastic, name)
     if name in _RANK_HELPERS:
         from . import rank
 

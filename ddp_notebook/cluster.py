@@ -9,6 +9,7 @@ in a `WorldLifecycle`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -18,7 +19,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from . import channel, config, debugging, devices, export, forming, limits, provisioning, rank_calls, stragglers, xray
+from . import (
+    channel,
+    comeback,
+    config,
+    debugging,
+    devices,
+    export,
+    forming,
+    limits,
+    provisioning,
+    rank_calls,
+    stragglers,
+    xray,
+)
 from .config import WorldConfig
 from .controller import QUERY_SECONDS, ControllerLink
 from .errors import (
@@ -90,6 +104,10 @@ class DDPCluster:
         self.recorder = channel.Recorder()
         # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
         self.cell_history: list[CellRecord] = []
+        # the cells that set a rank up (run with setup=True, %%ddp --setup), replayed on a new rank
+        self.setup_cells: list[str] = []
+        self.restarts = 0  # dead ranks this world replaced (bounded by config.max_restarts)
+        self.last_comeback_seconds: float | None = None
 
     @classmethod
     def attach_to(
@@ -211,6 +229,7 @@ class DDPCluster:
         deadline = began + self.config.start_timeout
         self._lifecycle.starting()
         self._private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
+        self.setup_cells, self.restarts = [], 0  # new processes: nothing was set up on them yet
         provisioner = self._provisioner = provisioning.provisioner_for(self.config, self._private_dir, warm)
         try:
             client = provisioner.start()
@@ -290,6 +309,7 @@ class DDPCluster:
         timeout: float | None = None,
         stream: bool = True,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
+        setup: bool = False,
     ) -> CellResult:
         """Run `code` as a cell on `ranks` (default: all) and wait for it.
 
@@ -303,8 +323,11 @@ class DDPCluster:
         `on_data(rank, data)` is called in this thread for each batch of plain data a rank
         publishes while the cell runs (metrics and progress, see `ddp_notebook.channel`).
         By default, progress is printed as text and the metrics are kept in `self.metrics`.
+
+        `setup=True` (`%%ddp --setup`): the cell sets a rank up (imports, model, data,
+        `ddp_notebook.track(...)`); it is replayed on a rank that replaces a dead one.
         """
-        return self.run(code, ranks, timeout=timeout, stream=stream, on_data=on_data).raise_for_error()
+        return self.run(code, ranks, timeout=timeout, stream=stream, on_data=on_data, setup=setup).raise_for_error()
 
     def run(
         self,
@@ -314,10 +337,13 @@ class DDPCluster:
         timeout: float | None = None,
         stream: bool = True,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
+        setup: bool = False,
     ) -> CellOutcome:
         """Like `execute`, but return how the cell ended instead of raising for it."""
         self._require_running()
         targets = self._select(ranks)
+        if setup and len(targets) != self.world_size:
+            raise DDPUsageError("a setup cell runs on every rank: leave out --ranks")
         if self.needs_heal:
             self.heal()
         if on_data is None:
@@ -341,9 +367,9 @@ class DDPCluster:
         failures = tuple(relay.failures())
         if failures:
             self.last_failures = failures  # for debug(): the cell to look into
-        heal_note = ""
+        heal_note = came_back = ""
         if relay.dead:
-            self._lifecycle.ranks_died(relay.dead)
+            came_back, heal_note = self._replace_dead(dict(relay.dead), relay.unfinished())
         elif relay.released or breaks_process_group(failures):
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
@@ -356,10 +382,55 @@ class DDPCluster:
             timeout=timeout,
             stuck_report=relay.stuck_report,
             heal_note=heal_note,
+            came_back=came_back,
             mismatch=relay.mismatch,
         )
         self._record_cell(code, targets, outcome.ok)
+        if setup and outcome.ok:
+            self.setup_cells.append(code)
         return outcome
+
+    def _replace_dead(self, dead: dict[int, str], unfinished: tuple[int, ...]) -> tuple[str, str]:
+        """New processes for dead ranks, brought to the last snapshot (`comeback`); past
+        `config.max_restarts`, or where that fails, the world is broken as before.
+
+        Returns (what the comeback did, why there was none)."""
+        assert self._provisioner is not None and self._layout is not None
+        left = self.config.max_restarts - self.restarts
+        if left < len(dead):
+            self._lifecycle.ranks_died(dead)
+            most = self.config.max_restarts
+            return "", f"this world replaced {self.restarts} dead rank(s) already (max_restarts={most})"
+        self.restarts += len(dead)
+        running = tuple(rank for rank in unfinished if rank not in dead)
+        if running and self._supervisor is not None:
+            self._supervisor.interrupt(running)  # survivors still in the cell: the comeback waits for them
+        try:
+            done = comeback.bring_back(
+                self._provisioner,
+                self.config,
+                self._layout,
+                self._ranks,
+                dead,
+                self.setup_cells,
+                self._private_dir,
+            )
+        except Exception as failure:  # noqa: BLE001  (any failure leaves the world broken, as a death did)
+            self._lifecycle.ranks_died(dead)
+            return "", f"bringing it back failed: {one_line(failure)}"
+        self._ranks, self._views = done.ranks, {}
+        self.last_comeback_seconds = done.seconds
+        ranks = ", ".join(map(str, sorted(dead)))
+        where = (
+            f"every rank is back at the snapshot taken at {done.resumed_from}; run the cell again to continue"
+            if done.resumed_from
+            else "nothing is tracked (ddp_notebook.track): the new rank has what the setup cells made"
+        )
+        return (
+            f"Rank {ranks} came back in {done.seconds:.1f} s (a new process, {len(self.setup_cells)} setup cell(s) "
+            f"replayed, the process group formed again; other variables kept on the surviving ranks): {where}",
+            "",
+        )
 
     # ------------------------------------------------------------------ export (cell history)
 
@@ -416,6 +487,40 @@ class DDPCluster:
         self._lifecycle.healed()
         self.last_heal_seconds = time.perf_counter() - began
         return self.last_heal_seconds
+
+    def resize(self, n_ranks: int) -> float:
+        """Grow or shrink the running world to `n_ranks` ranks (`%ddp_resize N`); returns seconds.
+
+        The ranks that stay keep all their variables; new ranks get the setup cells
+        (`setup=True`) replayed and the tracked state (`ddp_notebook.track`) from rank 0; ranks
+        past `n_ranks` end. Models from `prepare_model` move to the new group, and loaders from
+        `prepare_loader` deal the rest of the epoch's global order over the new ranks.
+        """
+        self._require_running()
+        config._check_rank_count(n_ranks)
+        assert self._provisioner is not None and self._controller is not None and self._layout is not None
+        if self.config.gpus:
+            raise DDPUsageError("resizing a world of GPU ranks is not supported yet: %ddp_start it again with N ranks")
+        if n_ranks == self.world_size:
+            return 0.0
+        if self.needs_heal:
+            self.heal()
+        busy = self._controller.busy(self.ranks)
+        if busy:
+            raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
+        try:
+            done = comeback.resize(
+                self._provisioner, self.config, self._layout, self._ranks, n_ranks, self.setup_cells, self._private_dir
+            )
+        except DDPError as failure:
+            raise DDPError(f"could not resize the world to {n_ranks} ranks: {failure}; %ddp_restart") from None
+        except Exception as failure:  # noqa: BLE001  (any remote failure ends the resize)
+            raise DDPError(
+                f"could not resize the world to {n_ranks} ranks: {one_line(failure)}; %ddp_restart"
+            ) from None
+        self._ranks, self._views = done.ranks, {}
+        self.config = self._provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks)
+        return done.seconds
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""

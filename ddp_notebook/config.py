@@ -21,6 +21,9 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo")
 
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
+# dead ranks a world replaces by itself: enough for the odd crash or killed process, few enough
+# that a cell which kills its rank every time (an out-of-memory step) stops after three tries
+DEFAULT_MAX_RESTARTS = 3
 MAX_DEFAULT_CPU_RANKS = 4
 # CPU ranks beyond this many per core are refused (unless forced): each one would get a small
 # slice of a core and a few hundred MiB; on fewer cores, up to MAX_DEFAULT_CPU_RANKS still go
@@ -60,6 +63,8 @@ class WorldConfig:
     launch: LaunchConfig = field(default_factory=lambda: LaunchConfig())
     # local ranks are forked from a template that imported torch once (where that is safe)
     warm_start: bool = True
+    # how many dead ranks a world replaces by itself (ddp_notebook.comeback) before a death breaks it
+    max_restarts: int = DEFAULT_MAX_RESTARTS
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -92,6 +97,8 @@ class WorldConfig:
             )
         if self.threads_per_rank < 1:
             raise DDPUsageError(f"threads per rank must be >= 1, got {self.threads_per_rank}")
+        if self.max_restarts < 0:
+            raise DDPUsageError(f"max restarts must be >= 0 (0: a dead rank breaks the world), got {self.max_restarts}")
 
     @property
     def device_kind(self) -> str:
@@ -116,6 +123,7 @@ class WorldConfig:
         settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
         attach: AttachTarget | None = None,
         warm_start: bool = True,
+        max_restarts: int | None = None,
         force: bool = False,
         **shortcuts: Any,
     ) -> WorldConfig:
@@ -137,6 +145,9 @@ class WorldConfig:
         - `attach`: use the engines of a cluster started elsewhere instead of starting ranks;
         - `warm_start`: fork local ranks from a template process that imported torch once
           (Linux; off where the ranks' own environment must be read by a fresh interpreter);
+        - `max_restarts`: how many dead ranks the world replaces by itself, bringing every rank
+          back to the last snapshot of the tracked state (default DEFAULT_MAX_RESTARTS); past it
+          a death breaks the world (`restart()` then starts a full one);
         - `force`: start a local world that does not fit: more ranks than the memory available
           holds (about RANK_MEMORY_BYTES each before any data), or more CPU ranks than
           CPU_RANKS_PER_CORE per core (and more than 4). Without it such a world is refused.
@@ -172,6 +183,7 @@ class WorldConfig:
             curve=curve or not is_loopback(address),
             launch=launch,
             warm_start=warm_start,
+            max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
         )
 
 

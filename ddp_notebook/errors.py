@@ -90,11 +90,17 @@ class WorldBrokenError(DDPUsageError):
 class RankDiedError(DDPError):
     """A rank's process died while running a cell."""
 
-    def __init__(self, dead: dict[int, str], failures: list[RankFailure]) -> None:
+    def __init__(self, dead: dict[int, str], failures: list[RankFailure], came_back: str = "", note: str = "") -> None:
         self.dead = dict(dead)
         self.failures = [f for f in failures if f.rank not in dead]
+        # what happened after: the world replaced the rank ("" when it could not)
+        self.came_back = came_back
         died = "; ".join(f"rank {rank} {how}" for rank, how in sorted(dead.items()))
-        super().__init__(f"{died}. Its state is lost; %ddp_restart (or restart()) starts a full world again")
+        if came_back:
+            super().__init__(f"{died}. {came_back}")
+        else:
+            lost = f"{note}; its state is lost" if note else "Its state is lost"
+            super().__init__(f"{died}. {lost}; %ddp_restart (or restart()) starts a full world again")
 
     def _render_traceback_(self) -> list[str]:
         lines = [str(self)]

@@ -137,26 +137,9 @@ def join_process_group(
         )
     except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
         raise StartError(f"rank 0 could not set up torch.distributed: {one_line(failure)}") from None
-    here = socket.gethostname()
     pending = {}
     for placement in placements:
-        address, interface = world.routes[placement.rank]
-        spec = rank_calls.RankSpec(
-            rank=placement.rank,
-            world_size=len(placements),
-            local_rank=placement.local_rank,
-            local_world_size=placement.local_world_size,
-            group_rank=placement.group_rank,
-            master_addr=address,
-            master_port=port,
-            backend=world.backend,
-            timeout=config.timeout,
-            threads=config.threads_per_rank,
-            stack_dir=stack_dir if placement.host == here else None,
-            gpu=placement.gpu,
-            # a user's own GLOO/NCCL_SOCKET_IFNAME (env=...) wins over the route's
-            socket_ifname=None if "GLOO_SOCKET_IFNAME" in config.env else interface,
-        )
+        spec = rank_spec(config, world, placement, port, stack_dir)
         pending[placement.rank] = client[placement.engine_id].apply_async(rank_calls.init_world, spec)
     ranks = {}
     for placement in placements:
@@ -180,3 +163,26 @@ def join_process_group(
             group_rank=placement.group_rank,
         )
     return ranks
+
+
+def rank_spec(
+    config: WorldConfig, world: WorldLayout, placement: layout.Placement, port: int, stack_dir: str | None
+) -> rank_calls.RankSpec:
+    """What rank `placement.rank` needs to join the group whose rendezvous is at rank 0's `port`."""
+    address, interface = world.routes[placement.rank]
+    return rank_calls.RankSpec(
+        rank=placement.rank,
+        world_size=len(world.placements),
+        local_rank=placement.local_rank,
+        local_world_size=placement.local_world_size,
+        group_rank=placement.group_rank,
+        master_addr=address,
+        master_port=port,
+        backend=world.backend,
+        timeout=config.timeout,
+        threads=config.threads_per_rank,
+        stack_dir=stack_dir if placement.host == socket.gethostname() else None,
+        gpu=placement.gpu,
+        # a user's own GLOO/NCCL_SOCKET_IFNAME (env=...) wins over the route's
+        socket_ifname=None if "GLOO_SOCKET_IFNAME" in config.env else interface,
+    )

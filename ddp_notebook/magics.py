@@ -139,6 +139,12 @@ class DDPMagics(Magics):
         action="store_true",
         help="start the ranks even if they do not fit this machine's cores or memory (refused otherwise)",
     )
+    @argument(
+        "--max-restarts",
+        type=int,
+        default=config.DEFAULT_MAX_RESTARTS,
+        help="dead ranks the world replaces by itself, back at the last snapshot (default: %(default)s; 0: never)",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @argument(
         "--check-collectives",
@@ -230,6 +236,11 @@ class DDPMagics(Magics):
     @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
     @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
     @argument("--append", action="store_true", help="add this cell's progress and metrics to the previous live view")
+    @argument(
+        "--setup",
+        action="store_true",
+        help="this cell sets a rank up: it is replayed on a rank that replaces a dead one",
+    )
     @cell_magic
     @_usage_errors
     def ddp(self, line: str, cell: str) -> None:
@@ -240,7 +251,9 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp, line)
         world = self._running_world()
         feed = self.recorder.feed(_make_view, append=args.append)
-        result = _execute_live(world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream)
+        result = _execute_live(
+            world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream, setup=args.setup
+        )
         if args.no_stream:
             _print_collected(result)
         text = format_values(result)
@@ -281,6 +294,20 @@ class DDPMagics(Magics):
         if self.world is None:
             raise DDPUsageError("no DDP world to restart: start one with %ddp_start N (e.g. %ddp_start 2)")
         _start_and_summarize(self.world, self.world.restart)
+
+    @line_magic
+    @_usage_errors
+    def ddp_resize(self, line: str = "") -> None:
+        """Grow or shrink the running world to N ranks: `%ddp_resize 3`.
+
+        The ranks that stay keep their variables; new ranks run the `%%ddp --setup` cells and
+        get the tracked state from rank 0.
+        """
+        if not line.strip():
+            raise DDPUsageError("%ddp_resize needs the number of ranks, e.g. %ddp_resize 3")
+        n_ranks = config.parse_rank_count(line.strip())
+        seconds = self._running_world().resize(n_ranks)
+        print(f"the world has {n_ranks} ranks now (resized in {seconds:.1f} s)")
 
     @line_magic
     @_usage_errors

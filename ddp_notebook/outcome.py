@@ -48,6 +48,7 @@ class CellOutcome:
     timeout: float | None = None
     stuck_report: str = ""  # where each rank was when the time limit struck
     heal_note: str = ""  # what became of the process group, when the cell broke it
+    came_back: str = ""  # how the world replaced its dead ranks (comeback), when it did
     mismatch: Mismatch | None = None  # ranks blocked in collectives that could never match
 
     @property
@@ -73,7 +74,7 @@ class CellOutcome:
         if self.mismatch is not None and self.failures and not self.dead:
             return CollectiveMismatchError(self.mismatch, self.failures, self.heal_note)
         if self.dead:
-            return RankDiedError(dict(self.dead), list(self.failures))
+            return RankDiedError(dict(self.dead), list(self.failures), self.came_back, self.heal_note.strip())
         if self.failures:
             return RankError(list(self.failures), busy_ranks=self.unfinished, note=self.heal_note.strip())
         return None

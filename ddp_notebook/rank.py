@@ -8,6 +8,7 @@ module is loaded by every rank process, usually while the rank registers with th
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import tempfile
@@ -40,7 +41,12 @@ class RankContext:
 
 
 # Process state of this rank (not configuration): set by init_world, cleared by shutdown_world.
-_state: dict[str, Any] = {"context": None, "listener": None, "wrappers": weakref.WeakSet()}
+_state: dict[str, Any] = {
+    "context": None,
+    "listener": None,
+    "wrappers": weakref.WeakSet(),
+    "samplers": weakref.WeakSet(),  # of prepare_loader's loaders: dealt again when the world is resized
+}
 
 
 def open_rendezvous(host: str) -> int:
@@ -122,6 +128,9 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     for wrapper in list(_state["wrappers"]):
         wrapper._update_process_group(dist.group.WORLD)
     _regroup_sharded(dist.group.WORLD, registered=True)
+    for sampler in list(_state["samplers"]):
+        if (sampler.num_replicas, sampler.rank) != (world_size, rank):
+            sampler.reshard(world_size, rank)
     if spec.get("stack_dir") and not _state.get("stack_dumps"):
         from .stacks import enable_stack_dumps
 
@@ -428,6 +437,7 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
     wrapper = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     _state["wrappers"].add(wrapper)  # kept weakly: moved onto a new group if the world heals
     timing.watch_model(wrapper)
+    wrapper._ddp_notebook_kwargs = dict(ddp_kwargs)  # to wrap it again when a rank is replaced (elastic)
     return wrapper
 
 
@@ -460,19 +470,112 @@ class EpochDataLoader(DataLoader):
     """A DataLoader over a DistributedSampler that advances the sampler's epoch itself.
 
     Forgetting `sampler.set_epoch(epoch)` gives every epoch the same order; here each new
-    iteration over the loader starts the next epoch's shuffle.
+    iteration over the loader starts the next epoch's shuffle. It also knows how far the
+    world got in the epoch's global order, so a tracked loader (`ddp_notebook.track`) resumes
+    mid-epoch after a rank came back or the world was resized:
+    `while loader.epoch < EPOCHS: for batch in loader: ...`
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.epoch = 0
+        self.epoch = 0  # epochs started
+        self.position = 0  # batches of this iteration whose step finished
+        self.in_epoch = False
+        self.after_batch: Any = None  # called with the loader after each finished step (tracking)
+        self._start = 0  # samples of the epoch's global order used before this iteration began
+        self._resume_at = 0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(self.epoch)
+        self._start, self._resume_at = self._resume_at, 0
+        if isinstance(sampler, ResumableSampler):
+            sampler.skip = self._start
         self.epoch += 1
-        return timing.TimedBatches(super().__iter__())
+        self.position, self.in_epoch = 0, True
+        return self._counted(timing.TimedBatches(super().__iter__()))
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            yield batch
+            self.position += 1  # asked for the next batch: the step on this one finished
+            if self.after_batch is not None:
+                self.after_batch(self)
+        self.in_epoch = False
+
+    @property
+    def used(self) -> int:
+        """Samples of the epoch's global order the world used so far (every rank's batches)."""
+        replicas = self.sampler.num_replicas if isinstance(self.sampler, DistributedSampler) else 1
+        return self._start + self.position * int(self.batch_size or 1) * replicas
+
+    @property
+    def batches_done(self) -> int:
+        """Steps of the epoch in progress, counted at the current world size."""
+        replicas = self.sampler.num_replicas if isinstance(self.sampler, DistributedSampler) else 1
+        return self.used // (int(self.batch_size or 1) * replicas)
+
+    def position_state(self) -> tuple[int, int, bool]:
+        """(epochs started, samples of the last one's global order used, whether it is in progress)."""
+        return (self.epoch, self.used, self.in_epoch)
+
+    def resume_from(self, state: tuple[int, int, bool]) -> None:
+        """The next iteration continues the epoch `state` was taken in, after the samples it used."""
+        epoch, used, in_epoch = state
+        self.epoch, self._resume_at = (epoch - 1, used) if in_epoch else (epoch, 0)
+        self.position, self.in_epoch, self._start = 0, False, 0
+
+
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """A DistributedSampler that can start an epoch after the first `skip` samples of its global
+    order (a resumed epoch), and be dealt again over another number of ranks (`reshard`).
+
+    The global order is DistributedSampler's (shuffled by seed + epoch, padded to a multiple of
+    the ranks); rank r takes every num_replicas-th sample of what is left, from position r.
+    With skip=0, or skip a multiple of the ranks at an unchanged size, the shard is exactly
+    DistributedSampler's. What is left is padded (or, with drop_last, cut) so every rank
+    gets as many samples.
+    """
+
+    skip = 0
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Deal the data over `num_replicas` ranks from now on (the world was resized)."""
+        self.num_replicas, self.rank = num_replicas, rank
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last and size % num_replicas != 0:
+            self.num_samples = math.ceil((size - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        if skip == 0:
+            return super().__iter__()
+        whole = self._global_order()
+        rest = whole[skip:]
+        extra = -len(rest) % self.num_replicas
+        if self.drop_last:
+            rest = rest[: len(rest) - (len(rest) % self.num_replicas)]
+        elif extra:
+            rest += (whole * math.ceil(extra / len(whole)))[:extra]
+        return iter(rest[self.rank :: self.num_replicas])
+
+    def _global_order(self) -> list[int]:
+        """Every rank's samples of this epoch, in DistributedSampler's order, before dealing."""
+        rank, replicas = self.rank, self.num_replicas
+        self.rank, self.num_replicas, total = 0, 1, self.total_size
+        try:
+            self.total_size = self.num_samples = len(self.dataset)  # type: ignore[arg-type]
+            order = list(super().__iter__())
+        finally:
+            self.rank, self.num_replicas = rank, replicas
+            self.reshard(replicas, rank)
+        if self.drop_last:
+            return order[:total]
+        return order + (order * math.ceil(total / len(order)))[: total - len(order)]
 
 
 def prepare_loader(
@@ -489,7 +592,7 @@ def prepare_loader(
     `drop_last=True`). `batch_size` is per rank: the global batch is batch_size * world_size.
     """
     current = context()
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(
         dataset,
         num_replicas=current.world_size,
         rank=current.rank,
@@ -497,6 +600,7 @@ def prepare_loader(
         seed=seed,
         drop_last=bool(loader_kwargs.get("drop_last", False)),
     )
+    _state["samplers"].add(sampler)
     if current.device.type == "cuda":
         loader_kwargs.setdefault("pin_memory", True)
     return EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)

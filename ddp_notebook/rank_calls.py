@@ -139,3 +139,49 @@ def pull_names(names: list[str]) -> dict[str, Any]:
     namespace = get_ipython().user_ns
     found = {name: namespace[name] for name in names if name in namespace}
     return {"found": found, "missing": [name for name in names if name not in namespace]}
+
+
+def begin_replay(spec: RankSpec) -> None:
+    """A new rank before its setup cells are replayed: its rank, in a process group of its own."""
+    from ddp_notebook import elastic
+
+    elastic.begin_replay(asdict(spec))
+
+
+def snapshot_numbers() -> list[int]:
+    """The snapshots of tracked state this rank holds (empty where nothing is tracked)."""
+    import sys
+
+    elastic = sys.modules.get("ddp_notebook.elastic")  # never imported: nothing tracked
+    return elastic.snapshot_numbers() if elastic is not None else []
+
+
+def wrapped_names() -> list[str]:
+    """Names of the rank's namespace that hold a model from prepare_model."""
+    from ddp_notebook import elastic
+
+    return elastic.wrapped_names()
+
+
+def rewrap_models(names: list[str]) -> None:
+    """Every rank at once after a rank was replaced: fresh DDP reducers over the new group."""
+    from ddp_notebook import elastic
+
+    elastic.rewrap_models(names)
+
+
+def take_snapshot(where: str) -> int | None:
+    """A snapshot of the tracked state now; None where nothing is tracked."""
+    import sys
+
+    elastic = sys.modules.get("ddp_notebook.elastic")
+    if elastic is None or not elastic.tracked():
+        return None
+    return int(elastic.snapshot(where))
+
+
+def restore_snapshot(seq: int, source: int) -> str:
+    """Every rank at once: load snapshot `seq` as rank `source` sends it; says where it was taken."""
+    from ddp_notebook import elastic
+
+    return elastic.restore(seq, source)

@@ -115,19 +115,26 @@ def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None
     assert wait_gone(pids) == []
 
 
-def test_a_dead_rank_is_named_and_restart_works_in_a_kernel(kernel: Kernel) -> None:
+def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel) -> None:
     out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
     assert error is None, out
     old = kernel_world_pids(kernel)
+    out, error = kernel.run("%%ddp --setup\nstep = 0\nddp_notebook.track(step=step)")
+    assert error is None, out
+    out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
+    assert error is None, out
     began = time.monotonic()
     out, error = kernel.run(
-        "%%ddp\nimport os, time\nx = torch.ones(1)\nif rank == 1:\n    os._exit(9)\ndist.all_reduce(x)"
+        "%%ddp\nimport os, time\nx = torch.ones(1)\nstep = 6\nif rank == 1:\n    os._exit(9)\ndist.all_reduce(x)"
     )
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 20
     assert error == "RankDiedError", out
-    assert "rank 1 exited with code 9" in out
+    assert "rank 1 exited with code 9. Rank 1 came back in " in out
+    assert "every rank is back at the snapshot taken at the end of a cell" in out
     out, error = kernel.run("%ddp_status")
-    assert "broken (rank 1 gone): %ddp_restart" in out
+    assert "healthy" in out and " gone " not in out, out
+    out, error = kernel.run("%%ddp\nprint('step', step)")
+    assert error is None and "[rank 0] step 5" in out and "[rank 1] step 5" in out, out
     out, error = kernel.run("%ddp_restart")
     assert error is None and "DDP world ready: 2 ranks" in out, out
     out, error = kernel.run("%%ddp\nrank * 3")

@@ -37,6 +37,9 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --backend nccl", "needs GPUs"),
         ("%ddp_start 2 --backend mpi", "--backend must be one of"),
         ("%ddp_start 2 --timeout 0", "timeout must be a number of seconds"),
+        ("%ddp_start 2 --max-restarts -1", "max restarts must be >= 0"),
+        ("%ddp_resize", "%ddp_resize needs the number of ranks"),
+        ("%ddp_resize two", "'two' is not a number of ranks"),
         ("%ddp_start 2 --frobnicate", "unrecognized arguments"),
         ("%ddp_status", "no DDP world is running"),
         ("%ddp_stop now", "takes no arguments"),
@@ -92,7 +95,7 @@ def test_loading_twice_is_harmless(shell: object) -> None:
 
 
 def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixture[str]) -> None:
-    result = run(shell, "%ddp_start 2")
+    result = run(shell, "%ddp_start 2 --max-restarts 1")
     assert result.success, result.error_in_exec  # type: ignore[attr-defined]
     out = capsys.readouterr().out
     assert "DDP world ready: 2 ranks, gloo" in out
@@ -101,7 +104,7 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
     pids = world.all_pids
     try:
         # same size again: nothing to do; another size: told to stop first
-        assert run(shell, "%ddp_start 2").success  # type: ignore[attr-defined]
+        assert run(shell, "%ddp_start 2 --max-restarts 1").success  # type: ignore[attr-defined]
         assert "already running" in capsys.readouterr().out
         other = run(shell, "%ddp_start 1")
         assert isinstance(other.error_in_exec, UsageError) and "--restart" in str(other.error_in_exec)  # type: ignore[attr-defined]
@@ -132,10 +135,18 @@ def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixtu
         status = capsys.readouterr().out
         assert "healthy" in status and status.count(" idle ") == 2
 
-        # a rank dies: the cell says which and how, and %ddp_restart brings a full world back
+        # a rank dies: the cell says which and how, and a new process takes its place (--max-restarts 1)
+        assert run(shell, "%%ddp --setup\nsetup_made = rank").success  # type: ignore[attr-defined]
         died = run(shell, "%%ddp\nimport os\nif rank == 1:\n    os._exit(3)")
         assert type(died.error_in_exec).__name__ == "RankDiedError"  # type: ignore[attr-defined]
-        assert "rank 1 exited with code 3" in "".join(capsys.readouterr())
+        assert "rank 1 exited with code 3. Rank 1 came back in " in "".join(capsys.readouterr())
+        assert run(shell, "%%ddp\nprint(setup_made, 'x' in globals())").success  # type: ignore[attr-defined]
+        out = capsys.readouterr().out
+        assert "[rank 0] 0 True" in out and "[rank 1] 1 False" in out  # the setup cell replayed, x only kept on 0
+        # past --max-restarts: the world is broken, and %ddp_restart brings a full world back
+        died = run(shell, "%%ddp\nimport os\nif rank == 1:\n    os._exit(3)")
+        assert "max_restarts=1" in str(died.error_in_exec)  # type: ignore[attr-defined]
+        capsys.readouterr()
         broken = run(shell, "%%ddp\nx")
         assert isinstance(broken.error_in_exec, UsageError) and "%ddp_restart" in str(broken.error_in_exec)  # type: ignore[attr-defined]
         assert run(shell, "%ddp_status").success  # type: ignore[attr-defined]

@@ -297,6 +297,15 @@ def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> Non
         check_notebook_to_script(text, tmp_path)
     if path.name == "06_multi_node.ipynb":
         check_multi_node(text)
+    if path.name == "07_elastic.ipynb":
+        assert re.search(r"rank 1 was killed by SIGKILL\. Rank 1 came back in [\d.]+ s", text)
+        assert "every rank is back at the snapshot taken at epoch 1, batch 3" in text
+        assert "step 16; weights identical on all ranks: True" in text
+        assert "each sample once per epoch: True" in text
+        assert "the world has 3 ranks now" in text and "the world has 2 ranks now" in text
+        assert "3 ranks, step 22; weights identical on all ranks: True" in text
+        assert "third epoch used every sample: True" in text
+        assert "2 ranks, step 30; weights identical on all ranks: True" in text
     if path.name == "08_seeing_inside.ipynb":
         check_seeing_inside(text)
     if path.name == "09_frameworks.ipynb":

@@ -59,6 +59,10 @@ class Provisioner(ABC):
         """Start more rank processes for the given slots (ranks), to join the world."""
         raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")
 
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        """End the processes of `ranks` (a world shrinking); the others keep running."""
+        raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot remove ranks")
+
     def dead_ranks(self, ranks: Iterable[RankInfo]) -> dict[int, str]:
         """Ranks among `ranks` whose process is gone, with how each one ended.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ from ..config import WorldConfig
 from ..errors import StartError
 from ..processes import SLOT_ENV
 from ..results import RankInfo
-from .controlled import ControlledProvisioner, launched_pids
+from .controlled import STOP_SECONDS, ControlledProvisioner, launched_pids
 
 log = logging.getLogger("ddp_notebook")
 # how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
@@ -104,6 +105,14 @@ class LocalProvisioner(ControlledProvisioner):
                 delay=0,
                 **forked,
             )
+
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        infos = list(ranks)
+        for info in infos:
+            engine_set = engine_set_id(info.rank)
+            if self.cluster is not None and engine_set in self.cluster.engines:
+                processes.run_with_timeout(functools.partial(self.cluster.stop_engines_sync, engine_set), STOP_SECONDS)
+        processes.kill_survivors([info.pid for info in infos])
 
     def rank_environment(self, slot: int) -> dict[str, str]:
         """The environment rank `slot` starts with (the torchrun contract comes when it joins)."""

@@ -1,0 +1,247 @@
+"""Runs on ranks: the training state a world keeps alive when a rank's process dies.
+
+`track(model=..., optimizer=..., loader=..., step=0)` names the objects that are the training
+state. A snapshot is an in-memory copy of them (never written to disk), taken at the end of
+every cell that succeeded and every `snapshot_every` batches of a tracked loader (or by
+`snapshot()`); each rank keeps its last two. When a rank is replaced, a surviving rank sends
+its snapshot to every rank (`restore`), so the whole world goes back to one consistent point.
+
+Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
+parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
+epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import rank as rank_side
+
+# the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
+# costs a few percent of its step time (benchmarks/elastic.py measures it)
+DEFAULT_SNAPSHOT_EVERY = 20
+KEEP_SNAPSHOTS = 2  # the newest one may be half taken on some ranks when a rank dies
+
+
+@dataclasses.dataclass
+class Snapshot:
+    seq: int  # how many snapshots this rank took: the same on every rank at the same point
+    where: str  # "epoch E, batch B" or "end of a cell", for the message after a comeback
+    state: dict[str, Any]
+
+
+_tracked: dict[str, Any] = {}  # name -> object, or _NAMESPACE for a value of the user namespace
+_snapshots: deque[Snapshot] = deque(maxlen=KEEP_SNAPSHOTS)
+_settings: dict[str, Any] = {"every": DEFAULT_SNAPSHOT_EVERY, "seq": 0, "hooked": False}
+_NAMESPACE = object()
+
+
+def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> None:
+    """Declare the training state a replacement rank must get back (call it in a `%%ddp --setup` cell).
+
+    Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
+    `load_state_dict`) and loaders from `prepare_loader` are restored in place; any other
+    value names a variable of the rank's namespace (`step=step`) restored by that name.
+    A snapshot is taken now, at the end of every cell that succeeds, and every
+    `snapshot_every` batches of a tracked loader.
+    """
+    if snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    for name, obj in objects.items():
+        if isinstance(obj, torch.utils.data.DataLoader) and not (
+            isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
+        ):
+            raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
+        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj):
+            raise TypeError(
+                f"'{name}' is sharded (FSDP2): tracking sharded models is not supported yet; "
+                "save it with ddp_notebook.save_checkpoint instead"
+            )
+        _tracked[name] = obj if _restorable(obj) else _NAMESPACE
+    _settings["every"] = snapshot_every
+    for obj in _tracked.values():
+        if isinstance(obj, rank_side.EpochDataLoader):
+            obj.after_batch = _after_batch
+    if not _settings["hooked"]:
+        shell = _shell()
+        if shell is not None:
+            shell.events.register("post_run_cell", _after_cell)
+        _settings["hooked"] = True
+
+
+def tracked() -> list[str]:
+    """The names tracked on this rank."""
+    return sorted(_tracked)
+
+
+def snapshot(where: str = "an explicit snapshot") -> int:
+    """Copy the tracked state now (in memory); returns the snapshot's number."""
+    _settings["seq"] += 1
+    _snapshots.append(Snapshot(_settings["seq"], where, _capture()))
+    return int(_settings["seq"])
+
+
+def snapshot_numbers() -> list[int]:
+    return [snap.seq for snap in _snapshots]
+
+
+def snapshot_bytes() -> int:
+    """Memory the kept snapshots take on this rank (tensors only)."""
+    return sum(_tensor_bytes(snap.state) for snap in _snapshots)
+
+
+def restore(seq: int, source: int) -> str:
+    """Every rank calls this at once: `source` sends its snapshot `seq`, every rank loads it.
+
+    Returns where the snapshot was taken.
+    """
+    me = dist.get_rank()
+    found = next((snap for snap in _snapshots if snap.seq == seq), None)
+    if me == source and found is None:
+        raise RuntimeError(f"rank {me} holds no snapshot {seq}")
+    box = [found if me == source else None]
+    dist.broadcast_object_list(box, src=source)
+    chosen: Snapshot = box[0]  # type: ignore[assignment]
+    missing = sorted(set(chosen.state) - set(_tracked))
+    if missing:
+        raise RuntimeError(
+            f"rank {me} does not track {', '.join(missing)}: call ddp_notebook.track(...) in a %%ddp --setup cell"
+        )
+    _apply(chosen.state)
+    _snapshots.clear()
+    _snapshots.append(chosen)
+    _settings["seq"] = chosen.seq
+    return chosen.where
+
+
+def begin_replay(spec: dict[str, Any]) -> None:
+    """Before the setup cells are replayed on a new rank: it is rank `spec['rank']` of the world,
+    in a process group of its own (collectives in setup cells see one rank); joining the
+    world's group later moves models from `prepare_model` onto it."""
+    alone = dict(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None)
+    alone["master_port"] = rank_side.open_rendezvous(str(spec["master_addr"]))
+    rank_side.init_world(alone)
+    context = dataclasses.replace(
+        rank_side._state["context"],
+        rank=int(spec["rank"]),
+        world_size=int(spec["world_size"]),
+        local_rank=int(spec["local_rank"]),
+        local_world_size=int(spec["local_world_size"]),
+    )
+    rank_side._state["context"] = context
+    rank_side._publish_names(context)
+
+
+def wrapped_names() -> list[str]:
+    """Names in the rank's namespace that hold a model from `prepare_model`."""
+    wrappers = set(map(id, rank_side._state["wrappers"]))
+    return sorted(name for name, value in _namespace().items() if id(value) in wrappers)
+
+
+def rewrap_models(names: list[str]) -> None:
+    """Every rank at once, after a rank was replaced: the models these names hold (every rank has
+    them: the setup cells made them) get a fresh DDP reducer over the new group, in place.
+
+    A survivor's reducer has rebuilt its gradient buckets long ago, a new rank's has not, and
+    the rebuild is a collective: left as they are, the two would pair different collectives.
+    """
+    namespace = _namespace()
+    for name in names:
+        wrapper = namespace[name]
+        kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
+        wrapper.reducer._remove_autograd_hooks()
+        fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
+        wrapper.__dict__.update(fresh.__dict__)
+
+
+# ---------------------------------------------------------------- inside
+
+
+def _restorable(obj: Any) -> bool:
+    return isinstance(obj, rank_side.EpochDataLoader) or (
+        callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _shell() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _namespace() -> dict[str, Any]:
+    shell = _shell()
+    return shell.user_ns if shell is not None else {}
+
+
+def _after_cell(result: Any) -> None:
+    if _tracked and getattr(result, "success", False):
+        snapshot("the end of a cell")
+
+
+def _after_batch(loader: rank_side.EpochDataLoader) -> None:
+    if _tracked and loader.batches_done % _settings["every"] == 0:
+        snapshot(f"epoch {loader.epoch - 1}, batch {loader.batches_done}")
+
+
+def _module(obj: torch.nn.Module) -> torch.nn.Module:
+    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+
+
+def _capture() -> dict[str, Any]:
+    namespace = _namespace()
+    state: dict[str, Any] = {}
+    for name, obj in _tracked.items():
+        if obj is _NAMESPACE:
+            if name in namespace:
+                state[name] = ("value", copy.deepcopy(namespace[name]))
+        elif isinstance(obj, rank_side.EpochDataLoader):
+            state[name] = ("loader", obj.position_state())
+        elif isinstance(obj, torch.nn.Module):
+            state[name] = ("module", _copied(_module(obj).state_dict()))
+        else:
+            state[name] = ("state_dict", _copied(obj.state_dict()))
+    return state
+
+
+def _apply(state: dict[str, Any]) -> None:
+    namespace = _namespace()
+    for name, (kind, value) in state.items():
+        obj = _tracked[name]
+        if kind == "value":
+            namespace[name] = copy.deepcopy(value)
+        elif kind == "loader":
+            obj.resume_from(value)
+        elif kind == "module":
+            _module(obj).load_state_dict(value)
+        else:
+            obj.load_state_dict(copy.deepcopy(value))
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy whose tensors live on the CPU (a snapshot must not take device memory)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0

@@ -1,0 +1,265 @@
+"""A dead rank comes back with the tracked state: real 2-rank gloo worlds, real SIGKILLs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from ddp_notebook import DDPCluster, RankDiedError, RankError, WorldBrokenError
+from ddp_notebook.rank import EpochDataLoader, ResumableSampler
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.integration
+
+SAMPLES, EPOCHS = 64, 2
+
+# the model, data and optimizer of both runs; {p} prefixes the names so that the reference
+# run and the tracked run share one world without touching each other's state
+BUILD = """
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+torch.manual_seed(0)
+{p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
+{p}net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+{p}model = ddp_notebook.prepare_model({p}net)
+{p}opt = torch.optim.SGD({p}model.parameters(), lr=0.05, momentum=0.9)
+{p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
+{p}step = 0
+{p}seen = []  # the global sample ids of every step, gathered from all ranks
+"""
+TRACK = "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, seen=seen, snapshot_every=3)"
+# resumable: the loop runs until the loader started every epoch; a resumed epoch skips what it used
+TRAIN = """
+import os, signal
+while {p}loader.epoch < {epochs}:
+    for x, y, ids in {p}loader:
+        if rank == KILL_RANK and {p}step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, ids.tolist())
+        {p}seen.append(sum(gathered, []))
+        loss = torch.nn.functional.mse_loss({p}model(x), y)
+        {p}opt.zero_grad()
+        loss.backward()
+        {p}opt.step()
+        {p}step += 1
+"""
+PARAMS = "[p.detach().clone() for p in {p}model.parameters()]"
+
+
+def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1, epochs: int = EPOCHS) -> None:
+    world.push({"KILL_RANK": kill_rank, "KILL_AT": kill_at})
+    world.execute(TRAIN.format(p=prefix, epochs=epochs))
+
+
+def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
+    world.execute(f"params_now = {PARAMS.format(p=prefix)}")
+    return world.pull("params_now")
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _each_sample_once_per_epoch(seen: list[list[int]]) -> None:
+    steps_per_epoch = len(seen) // EPOCHS
+    assert len(seen) == steps_per_epoch * EPOCHS
+    for epoch in range(EPOCHS):
+        used = sorted(i for step in seen[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch] for i in step)
+        assert used == list(range(SAMPLES)), f"epoch {epoch}: samples used {used}"
+
+
+def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
+    with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
+        # the reference: the same training, uninterrupted, in this world
+        world.execute(BUILD.format(p="ref_", n=SAMPLES))
+        _train(world, "ref_")
+        reference = _params(world, "ref_")
+        reference_seen = world.pull("ref_seen", ranks=[0])[0]
+        assert _bitwise_equal(reference[0], reference[1])
+
+        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        world.execute("untracked = 'kept'")
+        survivor_pid = world.ranks[0].pid
+        # rank 1 dies mid-epoch (epoch 1, step 11 of 16); the world is back without any call
+        with pytest.raises(RankDiedError) as caught:
+            _train(world, "", kill_rank=1, kill_at=11)
+        message = str(caught.value)
+        assert message.startswith("rank 1 was killed by SIGKILL. Rank 1 came back in ")
+        assert "the snapshot taken at epoch 1, batch 3" in message  # snapshot_every=3, 8 steps an epoch
+        assert world.state == "healthy" and not world.broken and world.restarts == 1
+        assert world.ranks[0].pid == survivor_pid and world.last_comeback_seconds is not None
+        assert world.pull("step") == {0: 11, 1: 11}  # the snapshot after step 11, taken before rank 1 died
+        assert world.pull("untracked", ranks=[0]) == {0: "kept"}  # the survivor keeps its other variables...
+        with pytest.raises(Exception, match="'untracked' is not defined on rank"):
+            world.pull("untracked", ranks=[1])  # ...the new rank has what the setup cells made
+        assert world.pull("data", ranks=[1])[1] is not None
+
+        _train(world, "")  # the same cell again continues from the snapshot
+        params = _params(world, "")
+        for rank in (0, 1):
+            assert _bitwise_equal(params[rank], reference[0]), f"rank {rank} differs from the uninterrupted run"
+        seen = world.pull("seen")
+        assert seen[0] == seen[1] == reference_seen
+        _each_sample_once_per_epoch(seen[0])
+
+        # rank 0 holds the rendezvous: it comes back too, and the end-of-cell snapshot is restored
+        with pytest.raises(
+            RankDiedError, match=r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
+        ):
+            world.execute("import os, signal\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        after = _params(world, "")
+        assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
+        assert world.execute("dist.get_world_size()", stream=False).value_text(0) == "2"
+
+        # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
+        with pytest.raises(RankDiedError, match=r"rank 1 was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"):
+            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        assert world.state == "broken"
+        with pytest.raises(WorldBrokenError):
+            world.execute("1")
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_message(
+    no_leaks: None, tmp_path: Path
+) -> None:
+    trap = tmp_path / "die-on-replay"
+    setup = f"import os, signal\nif os.path.exists({str(trap)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)"
+    with DDPCluster(2, backend="gloo", timeout=60) as world:
+        world.execute(setup, setup=True)
+        # a survivor still running its cell is interrupted: the comeback does not wait for it to end
+        began = time.monotonic()
+        with pytest.raises(RankDiedError, match="Rank 1 came back in"):
+            world.execute("import os, time\nif rank == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(99)")
+        assert time.monotonic() - began < 60 and world.state == "healthy"
+        trap.write_text("")
+        with pytest.raises(RankDiedError) as caught:
+            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+        assert str(caught.value) == (
+            "rank 1 was killed by SIGKILL. bringing it back failed: the new rank 1 was killed by SIGKILL in setup "
+            "cell 1 of 1; its state is lost; %ddp_restart (or restart()) starts a full world again"
+        )
+        assert world.state == "broken"
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> None:
+    with DDPCluster(2, backend="gloo", timeout=60) as world:
+        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        world.execute("untracked = rank * 10")
+        _train(world, "")  # two epochs at 2 ranks
+        before = _params(world, "")
+        assert world.pull("step") == {0: 16, 1: 16}
+        survivors = [info.pid for info in world.ranks]
+
+        assert world.resize(3) > 0
+        assert world.world_size == 3 and world.config.n_ranks == 3
+        assert [info.pid for info in world.ranks][:2] == survivors
+        assert world.pull("world_size") == {0: 3, 1: 3, 2: 3}
+        assert world.pull("untracked", ranks=[0, 1]) == {0: 0, 1: 10}  # survivors keep their variables
+        assert world.pull("step") == {0: 16, 1: 16, 2: 16}  # the new rank got the tracked state...
+        grown = _params(world, "")
+        for rank in (0, 1, 2):
+            assert _bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
+        world.execute("print(type(data).__name__, len(loader.sampler), model.process_group.size())", ranks=[2])
+
+        # a third epoch at 3 ranks: every sample once (64 over 3 ranks: 2 repeated to even the shards)
+        _train(world, "", epochs=3)
+        seen = world.pull("seen")
+        assert seen[0] == seen[1] == seen[2]
+        third = [i for step in seen[0][16:] for i in step]  # 6 steps: 22 samples a rank, 4 a batch
+        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == 66
+        grown = _params(world, "")
+        assert _bitwise_equal(grown[0], grown[1]) and _bitwise_equal(grown[0], grown[2])
+        assert not _bitwise_equal(grown[0], before[0])  # it trained
+
+        leaving = world.ranks[2].pid
+        assert world.resize(2) > 0
+        assert world.world_size == 2 and wait_gone([leaving]) == []
+        assert world.pull("world_size") == {0: 2, 1: 2}
+        _train(world, "", epochs=4)
+        seen = world.pull("seen")
+        fourth = sorted(i for step in seen[0][16 + 6 :] for i in step)
+        assert fourth == list(range(SAMPLES))
+        after = _params(world, "")
+        assert _bitwise_equal(after[0], after[1]) and not _bitwise_equal(after[0], grown[0])
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
+    with pytest.raises(Exception, match="a setup cell runs on every rank"):
+        world.execute("x = 1", ranks=[0], setup=True)
+
+
+def test_what_cannot_be_tracked_is_refused_with_one_line(world: DDPCluster) -> None:
+    sharded = "sharded = ddp_notebook.shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))"
+    try:
+        with pytest.raises(RankError, match=r"'sharded' is sharded \(FSDP2\): tracking sharded models is not"):
+            world.execute(f"{sharded}\nddp_notebook.track(sharded=sharded)")
+        plain = "plain = torch.utils.data.DataLoader(list(range(4)))\nddp_notebook.track(plain=plain)"
+        with pytest.raises(RankError, match=r"track a loader made by ddp_notebook\.prepare_loader"):
+            world.execute(plain)
+    finally:
+        world.execute("sharded = plain = None")  # the shared world's later heals need not move it
+    assert world.execute("from ddp_notebook import elastic\nelastic.tracked()", stream=False).value_text(0) == "[]"
+
+
+def _loaders(data: TensorDataset, replicas: int) -> list[EpochDataLoader]:
+    return [
+        EpochDataLoader(data, batch_size=3, sampler=ResumableSampler(data, num_replicas=replicas, rank=r, seed=5))
+        for r in range(replicas)
+    ]
+
+
+def _use(loaders: list[EpochDataLoader], batches: int | None, used: list[int]) -> None:
+    for loader in loaders:
+        for number, (batch,) in enumerate(loader):
+            if number == batches:
+                break  # the rank died while on this batch: the ones before it were used
+            used.extend(batch.tolist())
+
+
+def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
+    # one process, every shard of a 2-rank sampler: the loader's own bookkeeping, no world needed
+    data = TensorDataset(torch.arange(20))
+    loaders = _loaders(data, 2)
+    used: list[int] = []
+    _use(loaders, 2, used)
+    states = [loader.position_state() for loader in loaders]
+    assert states == [(1, 12, True), (1, 12, True)]  # epoch 1 begun, 2 batches of 3 on 2 ranks used
+    for loader, state in zip(loaders, states):
+        loader.resume_from(state)
+    _use(loaders, None, used)
+    assert all(loader.epoch == 1 and not loader.in_epoch for loader in loaders)
+    assert sorted(used) == list(range(20))
+    # the next epoch is whole again, and the same as a plain DistributedSampler's
+    reference = [list(DistributedSampler(data, num_replicas=2, rank=r, seed=5)) for r in range(2)]
+    for sampler in (loader.sampler for loader in loaders):
+        sampler.set_epoch(0)
+    assert [list(loader.sampler) for loader in loaders] == reference
+
+
+def test_a_resized_world_deals_the_rest_of_the_epoch_over_the_new_ranks() -> None:
+    data = TensorDataset(torch.arange(20))
+    two = _loaders(data, 2)
+    used: list[int] = []
+    _use(two, 2, used)
+    state = two[0].position_state()
+    three = _loaders(data, 3)  # the survivors' samplers, dealt again, and a new rank's
+    for loader in three:
+        loader.resume_from(state)
+    _use(three, None, used)
+    assert sorted(set(used)) == list(range(20))  # nothing skipped
+    # 8 samples left for 3 ranks: one repeated so each rank takes as many steps
+    assert len(used) == 12 + 9
+    sampler = two[0].sampler
+    sampler.reshard(3, 2)
+    assert (sampler.num_replicas, sampler.rank, sampler.num_samples, sampler.total_size) == (3, 2, 7, 21)
