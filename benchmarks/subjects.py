@@ -514,7 +514,8 @@ class DDPKernelSubject(KernelSubject):
     name = "ddp_kernel"
     label = "ddp_notebook `%%ddp`"
     model_idiom = "ddp_notebook.prepare_model({})"
-    setup = ("%load_ext ddp_notebook", "%ddp_start {ranks} --backend {backend}")
+    # --force: as DDPClusterSubject, so 8 ranks on 2 cores are measured instead of refused
+    setup = ("%load_ext ddp_notebook", "%ddp_start {ranks} --backend {backend} --force")
     stop = ("%ddp_stop",)
 
     def wrap(self, body: str, cell_timeout: float | None) -> str:
@@ -533,7 +534,7 @@ class DDPKernelPrewarmedSubject(DDPKernelSubject):
     name = "ddp_kernel_prewarmed"
     label = "ddp_notebook `%%ddp`, `%ddp_start` after `%load_ext` had time to warm up"
     untimed = ("%load_ext ddp_notebook\nimport ddp_notebook\nassert ddp_notebook.warm_up(wait=60)",)
-    setup = ("%ddp_start {ranks} --backend {backend}",)
+    setup = ("%ddp_start {ranks} --backend {backend} --force",)
 
     @classmethod
     def unavailable(cls) -> str | None:
