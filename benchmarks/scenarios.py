@@ -595,36 +595,53 @@ class Failures(Scenario):
         return summary
 
 
-class Logging(Scenario):
-    """What `ddp_notebook.log()` costs: per call, and steps/s with it every step against without."""
+class _BlocksOnTheRanks(Scenario):
+    """Alternating blocks of training steps on the ranks, with a feature, without it and a control;
+    and, once per subject, what one call of the feature costs on the ranks."""
 
-    name = "logging"
     peers_repeats = 1
+    feature = ""  # what a subject without it lacks
+    cost_call = ""  # train_workload's call that measures one call's cost: formatted with `s`
+    cost_note = ""  # where the costs go in the subject's notes
+    blocks_call = ""  # train_workload's call that runs the blocks: formatted with `s`
 
     def reference(self, name: str) -> str | None:
         return None
 
     def supports(self, name: str) -> str | None:
-        return None if name in ("ddp_notebook", "ddp_kernel") else "no ddp_notebook.log()"
+        return None if name in ("ddp_notebook", "ddp_kernel") else f"no {self.feature}"
 
     def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
-        body = f"{WORKLOAD}cost = dict(train_workload.log_cost({run.s.calls}), rank=rank)\n"
+        body = f"{WORKLOAD}cost = dict(train_workload.{self.cost_call.format(s=run.s)}, rank=rank)\n"
         cell = subject.cell(body + 'print("BENCH_COST " + json.dumps(cost))', 300.0, expect=lambda t: "BENCH_COST" in t)
-        notes["per_call_ns"] = [json.loads(m) for m in re.findall(r"BENCH_COST (\{.*\})", cell.text)]
+        notes[self.cost_note] = [json.loads(m) for m in re.findall(r"BENCH_COST (\{.*\})", cell.text)]
+
+    def run_blocks(self, subject: Subject, run: Run) -> dict[str, Any]:
+        body = f"{WORKLOAD}blocks = train_workload.{self.blocks_call.format(s=run.s)}\n"
+        body += 'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(blocks), flush=True)'
+        cell = subject.cell(body, 600.0, expect=lambda t: "BENCH_RESULT" in t)
+        found = re.search(r"BENCH_RESULT (\{.*\})", cell.text)
+        if not found:
+            raise RuntimeError(f"{self.name} cell: {cell.status}: {cell.text[-800:]}")
+        return json.loads(found.group(1))
+
+
+class Logging(_BlocksOnTheRanks):
+    """What `ddp_notebook.log()` costs: per call, and steps/s with it every step against without."""
+
+    name = "logging"
+    feature = "ddp_notebook.log()"
+    cost_call = "log_cost({s.calls})"
+    cost_note = "per_call_ns"
+    blocks_call = "log_blocks({s.blocks}, {s.block}, {s.warmup})"
 
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
-        s = run.s
-        body = f"{WORKLOAD}blocks = train_workload.log_blocks({s.blocks}, {s.block}, {s.warmup})\n"
-        body += 'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(blocks), flush=True)'
         # the notebook side: this process, or the kernel; it takes in the messages and draws
         notebook = [subject.roots()[0] if isinstance(subject, KernelSubject) else os.getpid()]
         cpu, began = cpu_seconds(notebook), time.perf_counter()
-        cell = subject.cell(body, 600.0, expect=lambda t: "BENCH_RESULT" in t)
+        blocks = self.run_blocks(subject, run)
         took = time.perf_counter() - began
-        found = re.search(r"BENCH_RESULT (\{.*\})", cell.text)
-        if not found:
-            raise RuntimeError(f"logging cell: {cell.status}: {cell.text[-800:]}")
-        return {"blocks": json.loads(found.group(1)), "notebook_cpu_pct": 100 * (cpu_seconds(notebook) - cpu) / took}
+        return {"blocks": blocks, "notebook_cpu_pct": 100 * (cpu_seconds(notebook) - cpu) / took}
 
     def brief(self, sample: dict[str, Any]) -> str:
         blocks = sample["blocks"]
@@ -754,33 +771,18 @@ class Elastic(Scenario):
         return summary
 
 
-class Seeing(Scenario):
+class Seeing(_BlocksOnTheRanks):
     """What seeing inside the ranks costs: steps/s of a model from prepare_model (its steps timed
     phase by phase) against the same plain DDP model, in one cell the X-ray reads 4 times a second."""
 
     name = "seeing"
-    peers_repeats = 1
-
-    def reference(self, name: str) -> str | None:
-        return None
-
-    def supports(self, name: str) -> str | None:
-        return None if name in ("ddp_notebook", "ddp_kernel") else "no step timing"
-
-    def prepare(self, subject: Subject, run: Run, notes: dict[str, Any]) -> None:
-        body = f"{WORKLOAD}cost = dict(train_workload.strict_cost(200), rank=rank)\n"
-        cell = subject.cell(body + 'print("BENCH_COST " + json.dumps(cost))', 300.0, expect=lambda t: "BENCH_COST" in t)
-        notes["strict_us"] = [json.loads(m) for m in re.findall(r"BENCH_COST (\{.*\})", cell.text)]
+    feature = "step timing"
+    cost_call = "strict_cost(200)"
+    cost_note = "strict_us"
+    blocks_call = "timing_blocks({s.blocks}, {s.block}, {s.warmup})"
 
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
-        s = run.s
-        body = f"{WORKLOAD}blocks = train_workload.timing_blocks({s.blocks}, {s.block}, {s.warmup})\n"
-        body += 'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(blocks), flush=True)'
-        cell = subject.cell(body, 600.0, expect=lambda t: "BENCH_RESULT" in t)
-        found = re.search(r"BENCH_RESULT (\{.*\})", cell.text)
-        if not found:
-            raise RuntimeError(f"seeing cell: {cell.status}: {cell.text[-800:]}")
-        return {"blocks": json.loads(found.group(1))}
+        return {"blocks": self.run_blocks(subject, run)}
 
     def brief(self, sample: dict[str, Any]) -> str:
         blocks = sample["blocks"]
