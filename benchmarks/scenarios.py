@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -616,6 +617,14 @@ class _BlocksOnTheRanks(Scenario):
         cell = subject.cell(body + 'print("BENCH_COST " + json.dumps(cost))', 300.0, expect=lambda t: "BENCH_COST" in t)
         notes[self.cost_note] = [json.loads(m) for m in re.findall(r"BENCH_COST (\{.*\})", cell.text)]
 
+    @staticmethod
+    def pooled(results: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, list[float]]]]:
+        """(name, entry, its blocks of every round pooled per kind) of each subject that has samples."""
+        for name, entry in results.items():
+            if entry["samples"]:
+                samples = entry["samples"]
+                yield name, entry, {k: [v for x in samples for v in x["blocks"][k]] for k in samples[0]["blocks"]}
+
     def run_blocks(self, subject: Subject, run: Run) -> dict[str, Any]:
         body = f"{WORKLOAD}blocks = train_workload.{self.blocks_call.format(s=run.s)}\n"
         body += 'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(blocks), flush=True)'
@@ -650,10 +659,7 @@ class Logging(_BlocksOnTheRanks):
 
     def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
         summary = {}
-        for name, entry in results.items():
-            if not entry["samples"]:
-                continue
-            blocks = {k: [v for x in entry["samples"] for v in x["blocks"][k]] for k in entry["samples"][0]["blocks"]}
+        for name, entry, blocks in self.pooled(results):
             rate = {kind: len(blocks[kind]) * s.block / sum(blocks[kind]) for kind in ("without", "control", "with")}
             with_ = mean_interval([a / b for a, b in zip(blocks["without"], blocks["with"])])
             control = mean_interval([a / b for a, b in zip(blocks["without"], blocks["control"])])
@@ -790,10 +796,7 @@ class Seeing(_BlocksOnTheRanks):
 
     def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
         summary = {}
-        for name, entry in results.items():
-            if not entry["samples"]:
-                continue
-            blocks = {k: [v for x in entry["samples"] for v in x["blocks"][k]] for k in entry["samples"][0]["blocks"]}
+        for name, entry, blocks in self.pooled(results):
             kinds = ("without", "control", "with")
             step_ms = {kind: sum(blocks[kind]) / (len(blocks[kind]) * s.block) * 1e3 for kind in kinds}
             with_ = mean_interval([b / a for a, b in zip(blocks["without"], blocks["with"])])
