@@ -146,8 +146,9 @@ def _helpers(rank: Any) -> dict[str, Any]:
             seen["model_to"] = str(args[0] if args else kwargs.get("device"))
             return self
 
-    class Wrapper:  # DDP's stand-in: it would broadcast over NCCL
+    class Wrapper(torch.nn.Module):  # DDP's stand-in (a Module, as DDP is): DDP would broadcast over NCCL
         def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
+            super().__init__()
             self.module = module
             seen["ddp_device_ids"] = kwargs.get("device_ids")
 
