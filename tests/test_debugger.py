@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,39 +16,17 @@ def run_answering(
 ) -> tuple[str, str | None, list[str]]:
     """Run `code` with stdin allowed, answering each prompt with the next answer (or interrupting
     the kernel at prompt number `interrupt_at_prompt`); returns (printed text, error name, prompts)."""
-    client = kernel.client
-    msg_id = client.execute(code, allow_stdin=True)
-    began = time.monotonic()
-    text: list[str] = []
     prompts: list[str] = []
-    error = None
     pending = list(answers)
-    while time.monotonic() - began < timeout:
-        try:
-            request = client.get_stdin_msg(timeout=0.05)
-        except queue.Empty:
-            request = None
-        if request is not None and request["msg_type"] == "input_request":
-            prompts.append(request["content"]["prompt"])
-            if interrupt_at_prompt is not None and len(prompts) == interrupt_at_prompt:
-                kernel.manager.interrupt_kernel()
-            else:
-                client.input(pending.pop(0))
-        try:
-            msg = client.get_iopub_msg(timeout=0.05)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            text.append(content["text"])
-        elif kind == "error":
-            error = content["ename"]
-            text.append("\n".join(content["traceback"]) + "\n")
-        elif kind == "status" and content["execution_state"] == "idle":
-            return "".join(text), error, prompts
-    raise TimeoutError(f"cell did not finish within {timeout} s; printed so far:\n{''.join(text)}")
+
+    def answer(prompt: str) -> str | None:
+        prompts.append(prompt)
+        if interrupt_at_prompt is not None and len(prompts) == interrupt_at_prompt:
+            return None
+        return pending.pop(0)
+
+    text, error = kernel.run(code, timeout, on_prompt=answer)
+    return text, error, prompts
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from jupyter_client.manager import KernelManager
@@ -26,9 +27,19 @@ class Kernel:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
 
-    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> tuple[str, str | None]:
-        """Run `code`; return (printed text, error name or None)."""
-        msg_id = self.client.execute(code)
+    def run(
+        self,
+        code: str,
+        timeout: float = 120,
+        interrupt_after: float | None = None,
+        on_prompt: Callable[[str], str | None] | None = None,
+    ) -> tuple[str, str | None]:
+        """Run `code`; return (printed text, error name or None).
+
+        `on_prompt`: stdin is allowed, and each prompt (input(), pdb) is answered with what it
+        returns for the prompt's text; None interrupts the kernel instead.
+        """
+        msg_id = self.client.execute(code, allow_stdin=on_prompt is not None)
         began = time.monotonic()
         interrupted = False
         text: list[str] = []
@@ -37,8 +48,10 @@ class Kernel:
             if interrupt_after is not None and not interrupted and time.monotonic() - began > interrupt_after:
                 self.manager.interrupt_kernel()
                 interrupted = True
+            if on_prompt is not None:
+                self._answer_prompt(on_prompt)
             try:
-                msg = self.client.get_iopub_msg(timeout=0.2)
+                msg = self.client.get_iopub_msg(timeout=0.2 if on_prompt is None else 0.05)
             except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
                 if time.monotonic() - began > timeout:
                     raise TimeoutError(f"cell did not finish within {timeout} s") from None
@@ -55,6 +68,18 @@ class Kernel:
                 text.append("\n".join(content["traceback"]) + "\n")
             elif kind == "status" and content["execution_state"] == "idle":
                 return "".join(text), error
+
+    def _answer_prompt(self, on_prompt: Callable[[str], str | None]) -> None:
+        try:
+            request = self.client.get_stdin_msg(timeout=0.05)
+        except queue.Empty:
+            return
+        if request["msg_type"] == "input_request":
+            answer = on_prompt(request["content"]["prompt"])
+            if answer is None:
+                self.manager.interrupt_kernel()
+            else:
+                self.client.input(answer)
 
     def close(self) -> None:
         self.client.stop_channels()
