@@ -368,13 +368,8 @@ class DDPCluster:
         if failures:
             self.last_failures = failures  # for debug(): the cell to look into
         heal_note = came_back = ""
-        dead = dict(relay.dead)
-        if not dead and failures:
-            # a rank lost on another host can reply (with ipyparallel's engine error) just before
-            # the next death check: asked once more, it is named dead rather than healed around
-            dead = self._supervisor.find_dead(targets)
-        if dead:
-            came_back, heal_note = self._replace_dead(dead, relay.unfinished())
+        if relay.dead:
+            came_back, heal_note = self._replace_dead(dict(relay.dead), relay.unfinished())
         elif relay.released or breaks_process_group(failures):
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
@@ -382,7 +377,7 @@ class DDPCluster:
             result=result,
             ending=ending,
             failures=failures,
-            dead=dead,
+            dead=dict(relay.dead),
             unfinished=relay.unfinished(),
             timeout=timeout,
             stuck_report=relay.stuck_report,

@@ -274,6 +274,10 @@ class CellRelay:
         sink.flush()
         if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead:
             clock.ending = Ending.INTERRUPTED
+        if not self.dead and self.failures():
+            # a rank lost on another host can reply (with ipyparallel's engine error) between two
+            # death checks: one more, so it is named dead rather than healed around
+            self.dead = supervisor.find_dead(self._ranks)
         return clock.ending
 
     def _step(self, clock: _WaitClock, supervisor: CellSupervisor) -> bool:

@@ -40,15 +40,12 @@ def _start_signature() -> tuple[str, tuple[tuple[str, str], ...]]:
     return sys.executable, tuple(sorted(startup.items()))
 
 
-_atexit_registered = False
-
-
 def start_spare(wait: float = 0.0) -> bool:
     """Start a spare template in the background; with `wait`, wait up to that long until it is ready.
 
     False where none is started, or it was not ready within `wait`.
     """
-    global _spare, _signature, _atexit_registered
+    global _spare, _signature
     if os.environ.get(SPARE_ENV, "1") == "0" or template.can_fork_ranks({}) is not None:
         return False
     with _lock:
@@ -59,9 +56,6 @@ def start_spare(wait: float = 0.0) -> bool:
             spare = template.TemplateClient(sys.executable, owner_environment())
             spare.start()
             _spare, _signature = spare, _start_signature()
-            if not _atexit_registered:
-                atexit.register(discard_spare)
-                _atexit_registered = True
     if wait <= 0:
         return True
     try:
@@ -97,3 +91,6 @@ def spare_pid() -> int | None:
     """The spare template's PID while one waits (for status and tests)."""
     spare = _spare
     return spare.pid if spare is not None and spare.running else None
+
+
+atexit.register(discard_spare)  # a clean kernel exit ends a template no world took

@@ -28,7 +28,7 @@ def provisioner_for(config: WorldConfig, private_dir: str, warm: object = None) 
 
     `warm`: what a previous provisioner of the same world kept warm (`keep_warm()`), for a restart.
     """
-    if not config.launch.is_local or config.launch.attach is not None:
+    if not config.launch.is_local:  # (an attached world is not local either)
         spare.discard_spare()  # its ranks start elsewhere: a local template would only hold memory
     if config.launch.attach is not None:
         return AttachedProvisioner(config, private_dir)
