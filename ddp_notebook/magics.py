@@ -212,9 +212,9 @@ class DDPMagics(Magics):
                 )
             current.stop()
         world.recorder = self.recorder
-        _preload_widgets()
         _start_and_summarize(world, world.start)
         self.world, self.owns_world = world, True
+        _preload_widgets()
 
     def adopt(self, world: DDPCluster) -> None:
         """Drive `world` (built in Python) from now on: `world.activate()`."""

@@ -7,6 +7,7 @@ taking its children with it. It starts no thread of its own, so its forks are cl
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -27,12 +28,21 @@ def _preload() -> None:
     from ipyparallel.controller import app as controller_app  # noqa: F401
     from ipyparallel.engine import app  # noqa: F401
 
+    # a rank's kernel imports its debugger while it registers: debugpy's import runs `uname -p`
+    # in a subprocess (platform.processor()), 0.3 s in a process this size; done here, the
+    # answer is cached for every fork (the file check it warns about is for debugging sessions)
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    import ipykernel.debugger  # noqa: F401
+
     import ddp_notebook.rank  # noqa: F401
 
 
 def template_main(socket_path: str) -> None:
     """Serve fork requests on `socket_path` until told to stop or the owning kernel dies."""
     _preload()
+    # what was imported stays for good: kept out of the collector, a fork's first collections
+    # do not walk (and so copy, page by page) torch's hundreds of thousands of objects
+    gc.freeze()
     if threading.active_count() != 1:
         sys.exit(f"the template started threads while importing ({threading.enumerate()}): forking is not safe")
     owner = int(os.environ.get(OWNER_PID_ENV, "0") or 0)

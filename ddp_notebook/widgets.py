@@ -44,8 +44,10 @@ def widget_frontend() -> bool:
 def preload() -> None:
     """Import plotly's FigureWidget in the background where widgets will be shown.
 
-    Its first import takes over a second (anywidget and plotly.js's bundle): done while a
-    world starts, the first live view of a cell appears at once instead of that late.
+    Its first import takes over a second (anywidget, and nbformat's schema checker through
+    plotly's renderers): done once a world has started, the first curves of a cell appear at
+    once instead of that late. Not while the world starts: the import holds the GIL the
+    start needs (it made `%ddp_start` 0.6 s slower).
     """
     if widget_frontend():
         threading.Thread(target=_import_widgets, name="ddp-preload-widgets", daemon=True).start()
@@ -246,7 +248,6 @@ class LiveView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import ipywidgets as widgets
-        import plotly.graph_objects as go
 
         self._curve_seconds = curve_seconds
         self._clock = clock
@@ -255,15 +256,7 @@ class LiveView:
         self._live_budget = live_budget
         self.header = widgets.HTML()
         self.bars = widgets.VBox()
-        self.figure = go.FigureWidget(
-            layout={
-                "height": 300,
-                "margin": {"l": 60, "r": 20, "t": 30, "b": 40},
-                "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
-                "hovermode": "x unified",
-                "template": "plotly_white",
-            }
-        )
+        self._figure: Any = None
         self.smoothing = widgets.FloatSlider(
             value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing", readout_format=".2f"
         )
@@ -285,6 +278,24 @@ class LiveView:
         from IPython.display import display
 
         display(self.widget)
+
+    @property
+    def figure(self) -> Any:
+        """The curves' FigureWidget, made when the first metric arrives: a progress-only cell
+        never imports plotly, whose first import takes about a second."""
+        if self._figure is None:
+            import plotly.graph_objects as go
+
+            self._figure = go.FigureWidget(
+                layout={
+                    "height": 300,
+                    "margin": {"l": 60, "r": 20, "t": 30, "b": 40},
+                    "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+                    "hovermode": "x unified",
+                    "template": "plotly_white",
+                }
+            )
+        return self._figure
 
     def draw(self, feed: Feed, final: bool) -> None:
         self._feed, self._final = feed, final
