@@ -9,6 +9,7 @@ import pytest
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.stragglers import StepTimes, find_straggler
+from ddp_notebook.timing import StepClock
 from ddp_notebook.xray import Collective, CollectiveMismatchError, MismatchWatch, RankCollectives, find_mismatch
 from tests.conftest import shared_world
 
@@ -175,6 +176,20 @@ def test_the_slow_rank_is_named_with_its_phase_though_every_rank_takes_as_long()
     assert "rank 1 is the straggler: 56.0 ms per step outside communication vs 6.0 ms" in found.describe()
     slow_data = find_straggler({0: _times(comm=0.03), 1: _times(data=0.031)})
     assert slow_data is not None and (slow_data.rank, slow_data.phase) == (1, "data")
+
+
+def test_step_means_are_kept_in_constant_time_and_equal_the_windows_mean() -> None:
+    clock = StepClock(window=5)
+    steps = [{"total": 0.1 * n, "data": 0.01 * n, "compute": 0.02, "comm": 0.03 * (n % 3), "optimizer": 0.001}
+             for n in range(1, 24)]  # fmt: skip
+    for step in steps:
+        clock._add_step(step)
+        window = steps[: steps.index(step) + 1][-5:]
+        summary = clock.summary()
+        assert summary is not None and summary["steps"] == steps.index(step) + 1
+        for key in ("total", "data", "compute", "comm", "optimizer"):
+            assert summary[key] == pytest.approx(sum(s[key] for s in window) / len(window), abs=1e-12)
+    assert StepClock().summary() is None
 
 
 def test_even_ranks_name_no_straggler() -> None:
