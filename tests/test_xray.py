@@ -253,3 +253,21 @@ def test_strict_mode_names_each_ranks_call_and_the_group_stays_whole(world3: DDP
         assert {r: v.tolist() for r, v in world3.pull("x").items()} == {r: [9.0] * 3 for r in range(3)}
     finally:
         world3.execute("ddp_notebook.check_collectives(False)")
+
+
+@pytest.mark.integration
+def test_strict_mode_from_the_api_holds_from_the_start_after_a_heal_and_a_restart(no_leaks: None) -> None:
+    mismatched = "x = torch.ones(3)\nif rank == 1:\n    dist.broadcast(x, 0)\nelse:\n    dist.all_reduce(x)"
+    with DDPCluster(2, backend="gloo", timeout=60, check_collectives=True) as world:
+        for moment in ("started", "healed", "restarted"):
+            if moment == "healed":
+                world.heal()  # a new default group: the checks get a new group of their own
+            elif moment == "restarted":
+                world.restart()  # new processes: strict from their start
+            with pytest.raises(RankError) as caught:
+                world.execute(mismatched)
+            assert {f.ename for f in caught.value.failures} == {"CollectiveMismatch"}, moment
+            assert "rank 1 calls broadcast(float32[3], src=0)" in caught.value.root_cause.evalue
+            assert world.state == "healthy", moment  # caught before anything was sent
+            world.execute("dist.all_reduce(x)")
+            assert {r: v.tolist() for r, v in world.pull("x").items()} == {0: [2.0] * 3, 1: [2.0] * 3}
