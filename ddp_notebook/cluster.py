@@ -393,8 +393,9 @@ class DDPCluster:
             came_back=came_back,
             mismatch=relay.mismatch,
         )
-        if feed is not None:
-            # its final drawing (ranks that sent nothing, or never said how they ended, say it here)
+        if feed is not None and not feed.finished:
+            # its final drawing, where no rank's message ended it (a view shown only for the X-ray,
+            # ranks that never said how they ended)
             feed.finish(outcome.view_state)
         self._record_cell(code, targets, outcome.ok)
         if setup and outcome.ok:
