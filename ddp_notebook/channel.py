@@ -23,8 +23,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
+from .stragglers import StepTimes, Straggler, find_straggler
+
 if TYPE_CHECKING:
     from .results import MemoryReading
+    from .xray import RankCollectives
 
 # the rank publishes at most this often (and once more when the cell ends)
 FLUSH_SECONDS = 0.1
@@ -32,7 +35,11 @@ FLUSH_SECONDS = 0.1
 REDRAW_SECONDS = 0.1
 # the key of our messages in a published dict; other keys belong to the user
 MESSAGE_KEY = "ddp_notebook"
+# a new optional field keeps the version (readers ignore what they do not know, and take a missing
+# one as absent); a field whose meaning changes, or a new required one, needs the next version
 MESSAGE_VERSION = 1
+# the X-ray of a running cell is shown once a rank has waited this long in one collective
+XRAY_SHOW_SECONDS = 3.0
 
 
 # ---------------------------------------------------------------- message shapes
@@ -50,7 +57,24 @@ class BarMessage(TypedDict):
     state: str  # running | done (exhausted) | closed (left early)
 
 
-class RankMessage(TypedDict):
+class StepsMessage(TypedDict):
+    """The rank's recent training steps (`timing.StepClock.summary`): mean seconds per phase."""
+
+    steps: int  # steps timed since the model was prepared
+    window: int  # the recent steps the means are over
+    total: float
+    data: float
+    compute: float
+    comm: float
+    optimizer: float
+
+
+class _OptionalFields(TypedDict, total=False):
+    # only when the rank timed steps in this cell (models from prepare_model), and they changed
+    steps: StepsMessage
+
+
+class RankMessage(_OptionalFields):
     """Everything a rank buffered since its last flush."""
 
     v: int
@@ -106,9 +130,12 @@ class Channel:
         publish: Callable[[dict[str, Any]], None] | None,
         clock: Callable[[], float] = time.monotonic,
         flush_seconds: float = FLUSH_SECONDS,
+        step_times: Callable[[], Any] | None = None,
     ) -> None:
         self._publish = publish
         self._clock = clock
+        # the rank's step timing (`timing.CLOCK.summary`, O(1)): its means ride along in each batch
+        self._step_times = step_times
         self.flush_seconds = flush_seconds  # the least time between two batches
         self.begin_cell()
 
@@ -126,6 +153,12 @@ class Channel:
         self._dirty: dict[int, _Bar] = {}
         self._bar_ids = 0
         self._active = False  # sent (or has) anything this cell
+        # steps timed before this cell are an earlier cell's: only steps after this count are sent
+        self._steps_sent = self._timed_steps()
+
+    def _timed_steps(self) -> int:
+        summary = self._step_times() if self._step_times is not None else None
+        return int(summary["steps"]) if summary else 0
 
     # log() is the hot path: a few appends and one clock read, nothing else
     def log(self, step: float | None, metrics: dict[str, Any]) -> None:
@@ -207,6 +240,11 @@ class Channel:
             "bars": [bar.message(now) for bar in self._dirty.values()],
             "state": state,
         }
+        if self._step_times is not None:
+            steps = self._step_times()
+            if steps and steps["steps"] > self._steps_sent:
+                message["steps"] = steps
+                self._steps_sent = steps["steps"]
         self._seq += 1
         self._pending = {}
         self._dirty = {}
@@ -283,7 +321,9 @@ def _connect() -> Channel:
         return Channel(publish=None)
     from ipyparallel.datapub import publish_data
 
-    channel = Channel(publish=publish_data)
+    from .timing import CLOCK
+
+    channel = Channel(publish=publish_data, step_times=CLOCK.summary)
 
     def ended(result: Any) -> None:
         error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
@@ -516,7 +556,12 @@ class Feed:
         self.finished = False
         self.outcome: str | None = None
         self.memory_reading: MemoryReading | None = None  # the ranks' memory, read about once a second
+        self.step_times: dict[int, StepTimes] = {}  # each rank's latest recent-steps means (prepare_model)
+        self.straggler: Straggler | None = None  # named from step_times when one rank is clearly slower
+        # the latest collective X-ray of the running cell (the relay reads it 4 times a second)
+        self.collective_readings: dict[int, RankCollectives] = {}
         self._last_draw = -math.inf
+        self._shown = False  # the view was made and shown
         # default steps of an appended cell continue after the earlier cells' steps
         self._step_base: dict[int, int] = dict(previous.step_base_after()) if previous is not None else {}
 
@@ -532,7 +577,9 @@ class Feed:
         if not isinstance(message, dict) or message.get("v") != MESSAGE_VERSION:
             return  # someone else's publish_data
         if self.received == 0:
-            self._begin()
+            if self._on_first is not None:
+                self._on_first(self)
+            self._show()
         self.received += 1
         self._apply(rank, message)  # type: ignore[arg-type]
         now = self._clock()
@@ -547,9 +594,36 @@ class Feed:
         the status table shows it at its next redraw."""
         self.memory_reading = reading
 
-    def _begin(self) -> None:
-        if self._on_first is not None:
-            self._on_first(self)
+    @property
+    def waiting(self) -> dict[int, RankCollectives]:
+        """The X-ray to show: every rank's reading once one has waited XRAY_SHOW_SECONDS in a
+        collective (the others say where they are: often what the waiting ones wait for); else {}."""
+        readings = self.collective_readings
+        if any(r.current is not None and r.waited >= XRAY_SHOW_SECONDS for r in readings.values()):
+            return readings
+        return {}
+
+    def collectives(self, readings: dict[int, RankCollectives]) -> None:
+        """The running cell's latest collective X-ray. Ranks blocked in a collective send nothing,
+        so this redraws the view itself while the X-ray is shown (making it if no rank sent
+        anything yet: a cell that only hangs gets a view too), and once more when it clears."""
+        if self.finished:
+            return
+        was_shown = bool(self.waiting)
+        self.collective_readings = dict(readings)
+        shown = bool(self.waiting)
+        if not (shown or was_shown):
+            return
+        self._show()
+        now = self._clock()
+        self.elapsed = now - self.started
+        if shown != was_shown or now - self._last_draw >= self._redraw_seconds:
+            self._draw(final=False, now=now)
+
+    def _show(self) -> None:
+        if self._shown:
+            return
+        self._shown = True
         try:
             if self.previous is not None and self.previous.view is not None:
                 self.view = self.previous.view
@@ -582,6 +656,10 @@ class Feed:
             self.metrics.add(rank, name, steps, values)
             if values:
                 state.last[name] = values[-1]
+        steps = StepTimes.parse(message.get("steps"))
+        if steps is not None:
+            self.step_times[rank] = steps
+            self.straggler = find_straggler(self.step_times)
         for bar in message["bars"]:
             key = (rank, bar["level"])
             current = self.bars.get(key)
@@ -618,14 +696,15 @@ class Feed:
 
         `outcome` is None after a clean run, else 'failed' or 'stopped'. Harmless to repeat.
         """
-        if self.received == 0:
+        self.collective_readings = {}  # the cell is over: nobody waits in it any more
+        if not self._shown:
             self.finished = True
             return
         if outcome is not None:
             for state in self.ranks.values():
                 if state.state == "running":
                     state.state = outcome
-        if self.finished and outcome is None:
+        if self.finished and outcome in (None, self.outcome):
             return
         self.finished = True
         self.outcome = outcome

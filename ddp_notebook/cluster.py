@@ -358,9 +358,17 @@ class DDPCluster:
         result = CellResult(ranks=targets)
         view = self._view(tuple(self._ranks[r].engine_id for r in targets))
         relay.attach(view.execute(code, silent=False, block=False))
-        # the live view shows the ranks' memory too; a caller's own on_data gets rank data only
-        on_memory = on_data.memory if isinstance(on_data, channel.Feed) else None
-        sink = OutputSink(self._stdout, self._stderr, None if stream else result, on_data, on_memory)
+        # the live view shows the ranks' memory and collective X-ray too; a caller's own on_data
+        # gets rank data only
+        feed = on_data if isinstance(on_data, channel.Feed) else None
+        sink = OutputSink(
+            self._stdout,
+            self._stderr,
+            None if stream else result,
+            on_data,
+            feed.memory if feed is not None else None,
+            feed.collectives if feed is not None else None,
+        )
         ending = relay.wait(sink, timeout, self._supervisor)
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
@@ -385,6 +393,10 @@ class DDPCluster:
             came_back=came_back,
             mismatch=relay.mismatch,
         )
+        if feed is not None and not feed.finished:
+            # its final drawing, where no rank's message ended it (a view shown only for the X-ray,
+            # ranks that never said how they ended)
+            feed.finish(outcome.view_state)
         self._record_cell(code, targets, outcome.ok)
         if setup and outcome.ok:
             self.setup_cells.append(code)

@@ -65,6 +65,8 @@ class WorldConfig:
     warm_start: bool = True
     # how many dead ranks a world replaces by itself (ddp_notebook.comeback) before a death breaks it
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    # strict mode (ddp_notebook.strict): every rank checks each collective against its peers' first
+    check_collectives: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -124,6 +126,7 @@ class WorldConfig:
         attach: AttachTarget | None = None,
         warm_start: bool = True,
         max_restarts: int | None = None,
+        check_collectives: bool = False,
         force: bool = False,
         **shortcuts: Any,
     ) -> WorldConfig:
@@ -148,6 +151,9 @@ class WorldConfig:
         - `max_restarts`: how many dead ranks the world replaces by itself, bringing every rank
           back to the last snapshot of the tracked state (default DEFAULT_MAX_RESTARTS); past it
           a death breaks the world (`restart()` then starts a full one);
+        - `check_collectives`: strict mode: before each collective of the default group the ranks
+          compare op, dtypes and shapes, and all raise the same error when they differ (one small
+          all-gather per collective; `ddp_notebook.strict`), on every rank the world starts;
         - `force`: start a local world that does not fit: more ranks than the memory available
           holds (about RANK_MEMORY_BYTES each before any data), or more CPU ranks than
           CPU_RANKS_PER_CORE per core (and more than 4). Without it such a world is refused.
@@ -184,6 +190,7 @@ class WorldConfig:
             launch=launch,
             warm_start=warm_start,
             max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
+            check_collectives=bool(check_collectives),
         )
 
 

@@ -185,4 +185,5 @@ def rank_spec(
         gpu=placement.gpu,
         # a user's own GLOO/NCCL_SOCKET_IFNAME (env=...) wins over the route's
         socket_ifname=None if "GLOO_SOCKET_IFNAME" in config.env else interface,
+        check_collectives=config.check_collectives,
     )

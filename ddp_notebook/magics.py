@@ -162,11 +162,8 @@ class DDPMagics(Magics):
         args = parse_argstring(self.ddp_start, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         _check_backend(args.backend)
-        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart", "check_collectives")))
+        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")))
         self._start(world, args.restart)
-        if args.check_collectives and world.running:
-            world.execute("ddp_notebook.check_collectives()", stream=False)
-            print("strict mode: every collective of the default group is checked (op, shapes) before it runs")
 
     @magic_arguments()
     @argument(

@@ -131,6 +131,11 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     for sampler in list(_state["samplers"]):
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
             sampler.reshard(world_size, rank)
+    if spec.get("check_collectives"):
+        from .strict import check_collectives
+
+        # every rank of the new group runs this line: the checks' own group is made here, together
+        check_collectives()
     if spec.get("stack_dir") and not _state.get("stack_dumps"):
         from .stacks import enable_stack_dumps
 

@@ -39,6 +39,7 @@ class RankSpec:
     stack_dir: str | None  # where the rank writes its stack dumps (ranks on this host)
     gpu: str | None  # the CUDA_VISIBLE_DEVICES entry of its GPU, None on CPU
     socket_ifname: str | None  # interface of the route to rank 0, for gloo / NCCL
+    check_collectives: bool = False  # strict mode (ddp_notebook.strict), on once the group is up
 
 
 @dataclass(frozen=True)

@@ -105,12 +105,14 @@ class OutputSink:
         collect: CellResult | None,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
         on_memory: Callable[[MemoryReading], None] | None = None,
+        on_collectives: Callable[[dict[int, RankCollectives]], None] | None = None,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._collect = collect
         self._on_data = on_data
         self._on_memory = on_memory
+        self._on_collectives = on_collectives
         self._live: dict[str, str] = {}  # stream -> the progress line drawn last, not yet ended
 
     def _target(self, stream: str) -> TextIO:
@@ -129,6 +131,11 @@ class OutputSink:
                 pass
         if self._on_memory is not None:
             self._on_memory(reading)
+
+    def collectives(self, readings: dict[int, RankCollectives]) -> None:
+        """The ranks' collective X-ray, read for the mismatch check: to the live view too."""
+        if self._on_collectives is not None:
+            self._on_collectives(readings)
 
     def data(self, rank: int, payload: dict[str, Any]) -> None:
         if self._on_data is not None:
@@ -257,7 +264,7 @@ class CellRelay:
                 if self._step(clock, supervisor):
                     break
                 self._watch_memory(clock, supervisor, sink)
-                self._watch_collectives(clock, supervisor)
+                self._watch_collectives(clock, supervisor, sink)
                 self._draw_progress_lines(clock, sink, assembler)
                 try:
                     item = self._queue.get(timeout=0.05)
@@ -334,8 +341,9 @@ class CellRelay:
         if reading is not None:
             sink.memory(reading)
 
-    def _watch_collectives(self, clock: _WaitClock, supervisor: CellSupervisor) -> None:
-        """Catch ranks blocked in collectives that can never match, and release them."""
+    def _watch_collectives(self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink) -> None:
+        """Catch ranks blocked in collectives that can never match, and release them; the
+        readings go to the live view as well (where each rank waits, once one waited a while)."""
         now = time.monotonic()
         if now < clock.next_collectives_check or self.mismatch or self.dead or clock.stop_at is not None:
             return
@@ -347,6 +355,7 @@ class CellRelay:
             readings = supervisor.collectives(self._ranks)
         except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
             return
+        sink.collectives(readings)
         stopped = [rank for rank, reading in readings.items() if reading.debugger and rank in running]
         if stopped:
             supervisor.debug(stopped[0])  # asks the user for each line; the other ranks wait

@@ -55,6 +55,8 @@ def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str
         notes.append(f"hosts: {describe_layout(ranks)}")
     if world.config.curve:
         notes.append("ipyparallel traffic is encrypted (CurveZMQ)")
+    if world.config.check_collectives:
+        notes.append("strict mode: every collective of the default group is checked (op, shapes) before it runs")
     notes.extend(f"warning: {warning}" for warning in warnings)
     if not warnings and not is_loopback(world.config.master_addr):
         notes.append(

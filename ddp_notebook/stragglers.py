@@ -53,6 +53,11 @@ class Straggler:
     busy: float  # its seconds per step outside communication
     peers_busy: float  # the median of the others'
 
+    def headline(self) -> str:
+        """'rank 1 is the straggler: 1.6x, compute (+50.0 ms per step)', for the live view."""
+        ratio = f"{self.busy / self.peers_busy:.1f}x, " if self.peers_busy > 0 else ""
+        return f"rank {self.rank} is the straggler: {ratio}{self.phase} (+{_ms(self.busy - self.peers_busy)} per step)"
+
     def describe(self) -> str:
         extra = self.busy - self.peers_busy
         ratio = f", {self.busy / self.peers_busy:.1f}x" if self.peers_busy > 0 else ""

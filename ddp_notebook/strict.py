@@ -1,6 +1,7 @@
 """Runs on ranks: strict mode, each collective of the default group checked before it runs.
 
-`check_collectives()` (every rank; `%ddp_start --check-collectives`) wraps the collectives of
+`check_collectives()` (every rank; `DDPCluster(..., check_collectives=True)` or
+`%ddp_start --check-collectives` turn it on at every start, heal and comeback) wraps the collectives of
 `torch.distributed` (called as `dist.all_reduce(...)`) so that before each one the ranks
 exchange what they are about to call (op, root, dtypes and shapes) over a group of their own,
 and raise the same clear error on every rank when they differ, before anything is sent: the
@@ -44,12 +45,13 @@ def check_collectives(enabled: bool = True) -> None:
     import torch.distributed as dist
 
     originals = _state["originals"]
-    if enabled and not originals:
-        for name in CHECKED:
-            original = getattr(dist, name)
-            originals[name] = original
-            setattr(dist, name, _checked(name, original))
-        _check_group()  # made now, while every rank runs this line
+    if enabled:
+        if not originals:
+            for name in CHECKED:
+                original = getattr(dist, name)
+                originals[name] = original
+                setattr(dist, name, _checked(name, original))
+        _check_group()  # made now, while every rank runs this line (after a heal: on the new group)
     elif not enabled and originals:
         for name, original in originals.items():
             setattr(dist, name, original)

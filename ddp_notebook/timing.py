@@ -25,6 +25,7 @@ from typing import Any
 # how many recent steps the averages are taken over
 WINDOW = 20
 PHASES = ("data", "compute", "comm", "optimizer")
+_KEYS = ("total", *PHASES)
 
 
 class StepClock:
@@ -33,6 +34,10 @@ class StepClock:
     def __init__(self, window: int = WINDOW) -> None:
         self.steps: deque[dict[str, float]] = deque(maxlen=window)
         self.count = 0
+        # (sums over the window of total and each phase, steps in the window, steps timed), replaced
+        # as one tuple per step: `summary()` is O(1) and reads a consistent picture from any thread
+        # (the X-ray thread and the channel's flush read it while the main thread steps)
+        self._totals: tuple[tuple[float, ...], int, int] = ((0.0,) * (len(PHASES) + 1), 0, 0)
         self._began: float | None = None
         self._data = self._comm = self._optimizer = 0.0
         self._last_grad: float | None = None
@@ -44,7 +49,7 @@ class StepClock:
         if self._began is not None:
             total = now - self._began
             compute = max(0.0, total - self._data - self._comm - self._optimizer)
-            self.steps.append(
+            self._add_step(
                 {
                     "total": total,
                     "data": self._data,
@@ -53,7 +58,6 @@ class StepClock:
                     "optimizer": self._optimizer,
                 }
             )
-            self.count += 1
         self._began = now
         self._data = self._comm = self._optimizer = 0.0
         self._last_grad = None
@@ -88,13 +92,28 @@ class StepClock:
             self._optimizer += time.perf_counter() - self._optimizer_began
             self._optimizer_began = None
 
+    def _add_step(self, step: dict[str, float]) -> None:
+        steps = self.steps
+        sums = list(self._totals[0])
+        if len(steps) == steps.maxlen:
+            dropped = steps[0]
+            sums = [total - dropped[key] for total, key in zip(sums, _KEYS)]
+        steps.append(step)
+        self.count += 1
+        if self.count % len(steps) == 0:  # once per window, summed afresh: no rounding drift builds up
+            sums = [sum(s[key] for s in steps) for key in _KEYS]
+        else:
+            sums = [total + step[key] for total, key in zip(sums, _KEYS)]
+        self._totals = (tuple(sums), len(steps), self.count)
+
     def summary(self) -> dict[str, Any] | None:
-        """Mean seconds per phase over the recent steps, and how many steps were timed; None before any."""
-        if not self.steps:
+        """Mean seconds per phase over the recent steps, and how many steps were timed; None before any.
+
+        O(1): read at every flush of the rank's channel and by the X-ray thread."""
+        sums, window, count = self._totals
+        if not window:
             return None
-        count = len(self.steps)
-        means = {key: sum(step[key] for step in self.steps) / count for key in ("total", *PHASES)}
-        return {"steps": self.count, "window": count, **means}
+        return {"steps": count, "window": window, **{key: max(0.0, total / window) for key, total in zip(_KEYS, sums)}}
 
 
 def _queue_end_of_backward(callback: Any) -> None:

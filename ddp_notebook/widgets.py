@@ -1,9 +1,11 @@
 """The notebook-side live view of a cell's progress and metrics.
 
 `LiveView` (in a kernel with a widget frontend): one progress bar per rank per loop level,
-one plotly FigureWidget with a curve per metric per rank, and a status table. `TextView`
-(a plain script, terminal IPython): a concise progress line every few seconds and a
-summary per rank at the end. Both draw what a `channel.Feed` holds; the Feed decides when.
+one plotly FigureWidget with a curve per metric per rank, a status table, each rank's time per
+training step split by phase with the straggler named, and the collective X-ray while a rank
+waits in a collective. `TextView` (a plain script, terminal IPython): a concise progress line
+every few seconds, one line when ranks wait in a collective, and a summary per rank at the end.
+Both draw what a `channel.Feed` holds; the Feed decides when.
 
 ipywidgets and plotly are imported only when a LiveView is made.
 """
@@ -21,6 +23,7 @@ from typing import Any, TextIO
 
 from .channel import BarState, Feed, RankState, View
 from .limits import MEMORY_WARN_FRACTION, format_bytes
+from .stragglers import PHASES
 
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its
 # last one), so each redraw stays small; the final drawing has every point
@@ -119,16 +122,25 @@ class TextView:
         self._interval = interval
         self._clock = clock
         self._last = -math.inf
+        self._xray_said: tuple[Any, ...] = ()  # the waits the last X-ray line named
 
     def show(self) -> None:
         pass
 
     def draw(self, feed: Feed, final: bool) -> None:
         now = self._clock()
-        if not final and now - self._last < self._interval:
+        lines = []
+        waits = _waits(feed)
+        if waits != self._xray_said and not final:
+            # one line per new picture of who waits where, not one per redraw
+            self._xray_said = waits
+            if waits:
+                lines.append(xray_line(feed))
+        if final or now - self._last >= self._interval:
+            self._last = now
+            lines += summary_lines(feed) if final else [progress_line(feed)]
+        if not lines:
             return
-        self._last = now
-        lines = summary_lines(feed) if final else [progress_line(feed)]
         out = self._stream or sys.stdout  # looked up now: IPython swaps sys.stdout per cell
         out.write("".join(line + "\n" for line in lines))
         out.flush()
@@ -160,7 +172,36 @@ def summary_lines(feed: Feed) -> list[str]:
             f"[progress] rank {rank}: {state.state}, {state.steps} steps, {format_rate(state.rate, 'step')}"
             + (f", {values}" if values else "")
         )
+    for rank in sorted(feed.step_times):
+        lines.append(f"[progress] rank {rank} per step: {feed.step_times[rank].describe()}")
+    if feed.straggler is not None:
+        lines.append(f"[progress] {feed.straggler.headline()}")
     return lines
+
+
+def _waits(feed: Feed) -> tuple[Any, ...]:
+    """Who waits in which collective, in the X-ray shown (empty when none is)."""
+    return tuple(
+        (rank, reading.current.seq if reading.current is not None else None)
+        for rank, reading in sorted(feed.waiting.items())
+    )
+
+
+def where_rank_is(reading: Any) -> str:
+    """'waits in all_reduce #3 [4] (cell line 2) for 4.2 s', 'runs cell line 5, in no collective'."""
+    line = f" (cell line {reading.cell_line})" if reading.cell_line is not None else ""
+    current = reading.current
+    if current is not None:
+        return f"waits in {current.describe()}{line} for {reading.waited:.1f} s"
+    if reading.in_cell:
+        return f"runs the cell{line}, in no collective"
+    return "finished the cell"
+
+
+def xray_line(feed: Feed) -> str:
+    """The X-ray on one line: `[x-ray 00:05] rank 0 waits in ...; rank 1 runs the cell ...`."""
+    parts = [f"rank {rank} {where_rank_is(reading)}" for rank, reading in sorted(feed.waiting.items())]
+    return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(parts)
 
 
 def _mean_last_values(states: Any) -> dict[str, float]:
@@ -263,7 +304,12 @@ class LiveView:
         self.smoothing.observe(self._smoothing_changed, names="value")
         self.plot = widgets.VBox()  # empty until a metric arrives: a progress-only cell shows no axes
         self.status = widgets.HTML()
-        self.widget = widgets.VBox([self.header, self.bars, self.plot, self.status])
+        # hidden while empty: most cells have neither timed steps nor a long wait in a collective
+        self.xray = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.steps = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.xray.add_class("ddp-xray")
+        self.steps.add_class("ddp-steps")
+        self.widget = widgets.VBox([self.header, self.xray, self.bars, self.plot, self.status, self.steps])
         self.widget.add_class("ddp-live")
         self._rows: dict[tuple[int, int], _BarRow] = {}
         self._traces: dict[tuple[str, int], int] = {}
@@ -308,6 +354,8 @@ class LiveView:
             if final:
                 self._keep_figure()
         self.status.value = status_table(feed)
+        _show_panel(self.steps, steps_table(feed))
+        _show_panel(self.xray, "" if final else xray_table(feed))
 
     def _keep_figure(self) -> None:
         # curve updates reach plotly.js as messages, so the FigureWidget's synced state still
@@ -319,7 +367,8 @@ class LiveView:
             self.figure._widget_layout = copy.deepcopy(self.figure._layout_obj._props)
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
-        ranks = ", ".join(str(rank) for rank in sorted(feed.ranks))
+        # a cell whose ranks sent nothing yet (shown for its X-ray): the ranks it runs on
+        ranks = ", ".join(str(rank) for rank in sorted(feed.ranks or feed.expected or ()))
         if not final:
             state = f"running · {feed.elapsed:.1f} s"
         else:
@@ -477,6 +526,71 @@ def status_table(feed: Feed) -> str:
         '<table class="ddp-status" style="font-family:monospace;font-size:12px;border-spacing:12px 2px">'
         f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
     )
+
+
+def steps_table(feed: Feed) -> str:
+    """Each rank's mean time per training step, by phase, with the straggler named; '' if no rank
+    timed steps (models from prepare_model)."""
+    times = feed.step_times
+    if not times:
+        return ""
+    straggler = feed.straggler
+    head = "".join(f"<th>{h}</th>" for h in ["rank", "steps", "ms/step", *PHASES])
+    rows = []
+    for rank in sorted(times):
+        t = times[rank]
+        cells = [f"{rank}", f"{t.steps}", _ms(t.total)]
+        for phase in PHASES:
+            cell = _ms(getattr(t, phase))
+            if straggler is not None and straggler.rank == rank and straggler.phase == phase:
+                cell = f'<b style="color:{STATE_COLORS["failed"]}">{cell}</b>'
+            cells.append(cell)
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+    if straggler is not None:
+        title = f'<b style="color:{STATE_COLORS["failed"]}">{html.escape(straggler.headline())}</b>'
+    else:
+        title = "time per step, ms (mean of recent steps)" + (": no straggler" if len(times) > 1 else "")
+    return (
+        f'<div class="ddp-steps-title">{title}</div>'
+        '<table style="font-family:monospace;font-size:12px;border-spacing:12px 2px">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def xray_table(feed: Feed) -> str:
+    """Where each rank is once one waited XRAY_SHOW_SECONDS in a collective; '' otherwise."""
+    waiting = feed.waiting
+    if not waiting:
+        return ""
+    rows = []
+    for rank in sorted(waiting):
+        reading = waiting[rank]
+        current = reading.current
+        waits = current is not None
+        where = html.escape(current.describe() if waits else ("in no collective" if reading.in_cell else "finished"))
+        line = "-" if reading.cell_line is None else f"{reading.cell_line}"
+        waited = f"{reading.waited:.1f} s" if waits else "-"
+        style = f' style="color:{STATE_COLORS["failed"]}"' if waits else ""
+        rows.append(f"<tr{style}><td>{rank}</td><td>{where}</td><td>{line}</td><td>{waited}</td></tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("rank", "collective", "cell line", "waited"))
+    return (
+        "<div><b>waiting in a collective</b> (collective X-ray)</div>"
+        '<table style="font-family:monospace;font-size:12px;border-spacing:12px 2px">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def _show_panel(panel: Any, value: str) -> None:
+    if panel.value == value:
+        return  # each assignment is a message to the browser
+    panel.value = value
+    display = "" if value else "none"
+    if panel.layout.display != display:
+        panel.layout.display = display
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
 
 
 def _rank_color(rank: int) -> str:

@@ -87,6 +87,7 @@ SNAPSHOT_JS = """() => {
       .filter(p => !p.closest('.ddp-live'))
       .map(p => [p.parentElement.innerText, p.querySelector('.progress-bar').style.width]),
     status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
+    steps: live ? (live.querySelector('.ddp-steps') || {}).innerText || '' : '',
     errors: Array.from(document.querySelectorAll('.jp-OutputArea-output'))
       .map(o => o.innerText)
       .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
@@ -254,6 +255,8 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
     # the curves: one per rank, every logged point
     assert sorted(final["traces"]) == [["loss", "rank 0", EPOCHS * BATCHES], ["loss", "rank 1", EPOCHS * BATCHES]]
     assert final["status"].count("done") == 2
+    # each rank's time per step, by phase (prepare_model times the steps)
+    assert "ms/step" in final["steps"] and "compute" in final["steps"], final["steps"]
     # live: the page showed the curves growing while the cell ran
     growing = {max(trace[2] for trace in s["traces"]) for s in samples if s["traces"]}
     assert len([n for n in growing if 0 < n < EPOCHS * BATCHES]) >= 3, sorted(growing)

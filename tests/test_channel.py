@@ -10,6 +10,7 @@ import pytest
 from ddp_notebook.channel import (
     FLUSH_SECONDS,
     MESSAGE_KEY,
+    XRAY_SHOW_SECONDS,
     Channel,
     Feed,
     Metrics,
@@ -17,6 +18,7 @@ from ddp_notebook.channel import (
     RankMessage,
     Recorder,
 )
+from ddp_notebook.xray import Collective, RankCollectives
 
 
 class Clock:
@@ -374,6 +376,95 @@ def test_a_cell_that_logs_nothing_leaves_the_latest_metrics(clock: Clock) -> Non
     fresh = recorder.feed(None)
     fresh(0, rank_messages(clock, 4)[0])
     assert recorder.latest is fresh and recorder.metrics is not first.metrics
+
+
+
+# ---------------------------------------------------------------- step times and the X-ray
+
+
+class StepsSoFar:
+    """A rank's step timing as `timing.CLOCK.summary` gives it, moved by hand."""
+
+    def __init__(self, compute: float = 0.004, comm: float = 0.0) -> None:
+        self.steps = 0
+        self.compute, self.comm = compute, comm
+
+    def __call__(self) -> dict[str, Any] | None:
+        if not self.steps:
+            return None
+        total = 0.001 + self.compute + self.comm + 0.001
+        return {"steps": self.steps, "window": min(self.steps, 20), "total": total, "data": 0.001,
+                "compute": self.compute, "comm": self.comm, "optimizer": 0.001}  # fmt: skip
+
+
+def test_step_times_ride_along_only_when_the_rank_timed_new_steps_in_this_cell(
+    clock: Clock, sent: list[dict[str, Any]]
+) -> None:
+    timed = StepsSoFar()
+    timed.steps = 7  # an earlier cell's steps
+    channel = Channel(publish=sent.append, clock=clock, step_times=timed)
+    channel.log(None, {"loss": 1.0})
+    assert "steps" not in messages(sent)[-1]  # this cell timed none yet
+    timed.steps = 9
+    clock.advance(FLUSH_SECONDS)
+    channel.log(None, {"loss": 1.0})
+    assert messages(sent)[-1]["steps"]["steps"] == 9
+    clock.advance(FLUSH_SECONDS)
+    channel.log(None, {"loss": 1.0})
+    assert "steps" not in messages(sent)[-1]  # unchanged: not sent again
+    timed.steps = 12
+    channel.end_cell("done")
+    assert messages(sent)[-1]["steps"]["steps"] == 12 and messages(sent)[-1]["state"] == "done"
+
+
+def test_feed_keeps_each_ranks_latest_step_times_and_names_the_straggler(clock: Clock) -> None:
+    feed = Feed(None, ranks=[0, 1, 2], clock=clock)
+    timings = {0: StepsSoFar(comm=0.05), 1: StepsSoFar(compute=0.054), 2: StepsSoFar(comm=0.05)}
+    channels = {
+        rank: Channel(publish=lambda payload, rank=rank: feed(rank, payload), clock=clock, step_times=timed)
+        for rank, timed in timings.items()
+    }
+    for channel in channels.values():
+        channel.log(None, {"loss": 1.0})
+    assert feed.step_times == {} and feed.straggler is None
+    for rank, channel in channels.items():
+        timings[rank].steps = 20
+        clock.advance(FLUSH_SECONDS)
+        channel.log(None, {"loss": 1.0})
+    assert sorted(feed.step_times) == [0, 1, 2] and feed.step_times[1].compute == 0.054
+    assert feed.straggler is not None and (feed.straggler.rank, feed.straggler.phase) == (1, "compute")
+    assert feed.straggler.headline() == "rank 1 is the straggler: 9.3x, compute (+50.0 ms per step)"
+
+
+def waiting_in(rank: int, waited: float | None, seq: int = 3, line: int = 2) -> RankCollectives:
+    """A rank's X-ray: in all_reduce #seq for `waited` seconds, or (None) running its cell."""
+    now_ns = 100 * 10**9
+    if waited is None:
+        return RankCollectives(rank, (), line, True, now_ns)
+    current = Collective(seq, "all_reduce", ((4,),), ("Float",), False, now_ns - int(waited * 1e9))
+    return RankCollectives(rank, (current,), line, True, now_ns)
+
+
+def test_the_xray_is_shown_past_the_threshold_even_before_any_message_and_cleared_after(clock: Clock) -> None:
+    recorder = Recorder()
+    view = CountingView()
+    feed = recorder.feed(lambda: view, ranks=[0, 1])
+    feed.collectives({0: waiting_in(0, None), 1: waiting_in(1, XRAY_SHOW_SECONDS - 0.5)})
+    assert feed.waiting == {} and view.shown == 0  # a short wait is every step's: nothing shown
+    clock.advance(0.5)
+    feed.collectives({0: waiting_in(0, None, line=5), 1: waiting_in(1, XRAY_SHOW_SECONDS)})
+    assert sorted(feed.waiting) == [0, 1] and feed.waiting[0].cell_line == 5
+    assert view.shown == 1 and view.draws == [False]  # no rank sent anything: the X-ray makes the view
+    assert recorder.latest is None  # a cell that logged nothing leaves the record alone
+    clock.advance(0.01)
+    feed.collectives({0: waiting_in(0, None), 1: waiting_in(1, XRAY_SHOW_SECONDS + 0.01)})
+    assert view.draws == [False]  # redrawn at the Feed's pace
+    clock.advance(0.2)
+    feed.collectives({0: waiting_in(0, 0.1, seq=4), 1: waiting_in(1, 0.1, seq=4)})
+    assert feed.waiting == {} and view.draws == [False, False]  # they moved on: drawn once more, without it
+    feed.collectives({0: waiting_in(0, XRAY_SHOW_SECONDS, seq=5), 1: waiting_in(1, None)})
+    feed.finish()
+    assert feed.waiting == {} and view.draws[-1] is True  # the end: nobody waits in the cell any more
 
 
 def test_metrics_as_a_table() -> None:

@@ -12,7 +12,8 @@ from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 from ddp_notebook import DDPCluster, Metrics, RankError
-from ddp_notebook.channel import FLUSH_SECONDS, Feed
+from ddp_notebook.channel import FLUSH_SECONDS, XRAY_SHOW_SECONDS, Feed
+from ddp_notebook.widgets import steps_table, xray_table
 
 pytestmark = pytest.mark.integration
 
@@ -106,6 +107,63 @@ for step in ddp_notebook.progress(range(10), desc="work"):
     assert feed.ranks[0].state == "done" and feed.ranks[1].state == "failed"
     assert (feed.bars[(1, 0)].n, feed.bars[(1, 0)].state) == (4, "closed")
     assert feed.metrics.series("value", 1)[1] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+class DrawnPanels:
+    """A view that keeps, for each draw, whether it was the final one, the straggler and both panels."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[bool, Any, str, str]] = []
+
+    def show(self) -> None:
+        pass
+
+    def draw(self, feed: Feed, final: bool) -> None:
+        self.draws.append((final, feed.straggler, steps_table(feed), xray_table(feed)))
+
+
+SLOW_RANK_1 = """
+import time
+torch.manual_seed(0)
+net = ddp_notebook.prepare_model(torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+for step in ddp_notebook.progress(range(40), desc="steps"):
+    opt.zero_grad()
+    net(torch.randn(8, 16)).sum().backward()
+    if rank == 1:
+        time.sleep(0.05)
+    opt.step()
+"""
+
+
+def test_the_straggler_is_named_with_its_phase_while_the_cell_runs(world: DDPCluster) -> None:
+    view = DrawnPanels()
+    feed = Feed(lambda: view, ranks=(0, 1))
+    world.execute(SLOW_RANK_1, on_data=feed, timeout=120)
+    live = [(straggler, table) for final, straggler, table, _ in view.draws if not final and straggler is not None]
+    assert live, "no straggler named while the cell ran"
+    straggler, table = live[-1]
+    assert (straggler.rank, straggler.phase) == (1, "compute") and "rank 1 is the straggler" in table
+    final, straggler, table, _ = view.draws[-1]
+    assert final and straggler is not None and (straggler.rank, straggler.phase) == (1, "compute")
+    assert straggler.busy - straggler.peers_busy > 0.04  # about the 50 ms it sleeps
+    assert feed.step_times[0].comm > 0.03  # rank 0 waits for it in the gradient all-reduce
+    assert feed.step_times[1].steps >= 20
+
+
+def test_a_long_wait_in_a_collective_shows_the_xray_and_clears_when_it_ends(world: DDPCluster) -> None:
+    view = DrawnPanels()
+    feed = Feed(lambda: view, ranks=(0, 1))
+    # nothing logged: the X-ray alone makes the view
+    world.execute("import time\nif rank == 0:\n    time.sleep(5)\ndist.all_reduce(torch.ones(4))", on_data=feed)
+    shown = [xray for final, _, _, xray in view.draws if not final and xray]
+    assert shown, "the X-ray was never shown"
+    assert "<td>1</td><td>all_reduce #" in shown[-1] and " [4]</td><td>4</td>" in shown[-1]
+    assert "<td>0</td><td>in no collective</td><td>3</td>" in shown[-1]  # rank 0 still sleeps on line 3
+    waited = float(shown[0].split("</td><td>")[-1].split(" s<")[0])
+    assert XRAY_SHOW_SECONDS <= waited < 5
+    final, _, _, xray = view.draws[-1]
+    assert final and xray == "" and feed.finished
 
 
 # ---------------------------------------------------------------- the magics

@@ -255,8 +255,11 @@ def check_mingpt(notebook: nbformat.NotebookNode, text: str, folder: Path) -> No
 EPOCH_LOSS = re.compile(r"^\[rank 0\] epoch (\d+): mean training loss ([\d.]+); snapshot saved$", re.MULTILINE)
 
 
-def check_seeing_inside(text: str) -> None:
-    """A skipped and a mismatched collective named within seconds, state kept; the straggler; pdb on rank 1."""
+def check_seeing_inside(notebook: nbformat.NotebookNode, text: str) -> None:
+    """A skipped and a mismatched collective named within seconds, state kept; the straggler (in the
+    live view too); pdb on rank 1."""
+    html = " ".join(str(m.get("value", "")) for m in widget_models(notebook) if m["_model_name"] == "HTMLModel")
+    assert re.search(r"rank 1 is the straggler: [\d.]+x, compute", html), "the live view names the straggler"
     assert "rank(s) 1 finished the cell without a collective that rank(s) 0 wait in" in text
     assert "rank 0 waits in all_reduce #1 [3], cell line 4" in text
     assert "every rank is blocked, in collectives with different ops" in text
@@ -307,7 +310,7 @@ def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> Non
         assert "third epoch used every sample: True" in text
         assert "2 ranks, step 30; weights identical on all ranks: True" in text
     if path.name == "08_seeing_inside.ipynb":
-        check_seeing_inside(text)
+        check_seeing_inside(notebook, text)
     if path.name == "09_frameworks.ipynb":
         check_frameworks(text)
     if path.name == "10_ring_allreduce.ipynb":

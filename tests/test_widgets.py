@@ -21,8 +21,11 @@ from ddp_notebook.widgets import (
     live_points,
     make_view,
     progress_line,
+    steps_table,
     summary_lines,
+    xray_table,
 )
+from tests.test_channel import StepsSoFar, waiting_in
 
 
 class RecordingComm(BaseComm):
@@ -304,3 +307,79 @@ def test_curves_redraw_at_most_four_times_a_second_and_bars_ten(comms: list[Reco
     bar_updates = [d for _, kind, d, _ in progress.sent if kind == "comm_msg" and "value" in d.get("state", {})]
     assert 15 <= len(curve_updates) <= 5 / 0.25 + 2
     assert 40 <= len(bar_updates) <= 5 / 0.1 + 2
+
+
+def panels(comms: list[RecordingComm], view: LiveView) -> dict[str, tuple[str, str]]:
+    """The X-ray and steps panels as the frontend holds them: (html, the layout's display)."""
+    state = frontend_state(comms)
+    found = {}
+    for name, panel in (("xray", view.xray), ("steps", view.steps)):
+        layout = state[panel.layout.comm.comm_id]
+        found[name] = (state[panel.comm.comm_id].get("value", ""), layout.get("display") or "")
+    return found
+
+
+def test_live_view_shows_each_ranks_step_split_and_names_the_straggler(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView(clock=clock)
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    timings = {0: StepsSoFar(comm=0.05), 1: StepsSoFar(compute=0.054)}
+    channels = {
+        rank: Channel(publish=lambda payload, rank=rank: feed(rank, payload), clock=clock, step_times=timed)
+        for rank, timed in timings.items()
+    }
+    for channel in channels.values():
+        channel.log(None, {"loss": 1.0})
+    assert panels(comms, view)["steps"] == ("", "none")  # no timed steps: hidden
+    for rank, channel in channels.items():
+        timings[rank].steps = 20
+        clock.advance(0.2)
+        channel.log(None, {"loss": 0.5})
+    html, display = panels(comms, view)["steps"]
+    assert display == ""
+    assert "rank 1 is the straggler: 9.3x, compute (+50.0 ms per step)" in html
+    # rank 1's compute (54 ms of its 56) is the highlighted cell; rank 0 waited 50 ms in comm
+    assert '<td><b style="color:#d62728">54.0</b></td>' in html and "<td>50.0</td>" in html
+    for channel in channels.values():
+        channel.end_cell("done")
+    assert feed.finished and "rank 1 is the straggler" in panels(comms, view)["steps"][0]  # kept at the end
+
+
+def test_live_view_shows_the_xray_while_a_rank_waits_and_hides_it_after(comms: list[RecordingComm]) -> None:
+    clock = Clock()
+    view = LiveView(clock=clock)
+    feed = Feed(lambda: view, ranks=[0, 1], clock=clock)
+    feed.collectives({0: waiting_in(0, None, line=5), 1: waiting_in(1, 4.2, seq=7, line=2)})
+    html, display = panels(comms, view)["xray"]
+    assert display == "" and "waiting in a collective" in html
+    assert "<td>1</td><td>all_reduce #7 [4]</td><td>2</td><td>4.2 s</td>" in html
+    assert "<td>0</td><td>in no collective</td><td>5</td><td>-</td>" in html
+    assert "ranks 0, 1 · running" in view.header.value  # made by the X-ray, before any rank's message
+    clock.advance(1)
+    feed.collectives({0: waiting_in(0, 0.0, seq=8), 1: waiting_in(1, 0.0, seq=8)})
+    assert panels(comms, view)["xray"] == ("", "none")
+    feed.finish()
+    assert xray_table(feed) == "" and steps_table(feed) == ""
+
+
+def test_text_view_says_a_long_wait_once_and_the_straggler_at_the_end() -> None:
+    clock = Clock()
+    out = io.StringIO()
+    feed = Feed(lambda: TextView(out, interval=2.0, clock=clock), ranks=[0, 1], clock=clock)
+    for waited in (3.0, 3.3, 3.6, 3.9):  # the same wait, read four times
+        feed.collectives({0: waiting_in(0, None, line=5), 1: waiting_in(1, waited, seq=7)})
+        clock.advance(0.3)
+    timings = {0: StepsSoFar(comm=0.05), 1: StepsSoFar(compute=0.054)}
+    for rank, timed in timings.items():
+        channel = Channel(publish=lambda payload, rank=rank: feed(rank, payload), clock=clock, step_times=timed)
+        timed.steps = 20
+        channel.log(None, {"loss": 1.0})
+        channel.end_cell("done")
+    lines = out.getvalue().splitlines()
+    xray = [line for line in lines if line.startswith("[x-ray")]
+    assert xray == [
+        "[x-ray 00:00] rank 0 runs the cell (cell line 5), in no collective; "
+        "rank 1 waits in all_reduce #7 [4] (cell line 2) for 3.0 s"
+    ]
+    assert lines[-3].startswith("[progress] rank 0 per step: 56.0 ms/step (data 1.0 ms, compute 4.0 ms, comm 50.0 ms")
+    assert lines[-1] == "[progress] rank 1 is the straggler: 9.3x, compute (+50.0 ms per step)"

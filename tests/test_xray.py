@@ -9,6 +9,7 @@ import pytest
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.stragglers import StepTimes, find_straggler
+from ddp_notebook.timing import StepClock
 from ddp_notebook.xray import Collective, CollectiveMismatchError, MismatchWatch, RankCollectives, find_mismatch
 from tests.conftest import shared_world
 
@@ -177,6 +178,20 @@ def test_the_slow_rank_is_named_with_its_phase_though_every_rank_takes_as_long()
     assert slow_data is not None and (slow_data.rank, slow_data.phase) == (1, "data")
 
 
+def test_step_means_are_kept_in_constant_time_and_equal_the_windows_mean() -> None:
+    clock = StepClock(window=5)
+    steps = [{"total": 0.1 * n, "data": 0.01 * n, "compute": 0.02, "comm": 0.03 * (n % 3), "optimizer": 0.001}
+             for n in range(1, 24)]  # fmt: skip
+    for step in steps:
+        clock._add_step(step)
+        window = steps[: steps.index(step) + 1][-5:]
+        summary = clock.summary()
+        assert summary is not None and summary["steps"] == steps.index(step) + 1
+        for key in ("total", "data", "compute", "comm", "optimizer"):
+            assert summary[key] == pytest.approx(sum(s[key] for s in window) / len(window), abs=1e-12)
+    assert StepClock().summary() is None
+
+
 def test_even_ranks_name_no_straggler() -> None:
     assert find_straggler({0: _times(), 1: _times(compute=0.0042), 2: _times()}) is None
     assert find_straggler({0: _times()}) is None
@@ -238,3 +253,21 @@ def test_strict_mode_names_each_ranks_call_and_the_group_stays_whole(world3: DDP
         assert {r: v.tolist() for r, v in world3.pull("x").items()} == {r: [9.0] * 3 for r in range(3)}
     finally:
         world3.execute("ddp_notebook.check_collectives(False)")
+
+
+@pytest.mark.integration
+def test_strict_mode_from_the_api_holds_from_the_start_after_a_heal_and_a_restart(no_leaks: None) -> None:
+    mismatched = "x = torch.ones(3)\nif rank == 1:\n    dist.broadcast(x, 0)\nelse:\n    dist.all_reduce(x)"
+    with DDPCluster(2, backend="gloo", timeout=60, check_collectives=True) as world:
+        for moment in ("started", "healed", "restarted"):
+            if moment == "healed":
+                world.heal()  # a new default group: the checks get a new group of their own
+            elif moment == "restarted":
+                world.restart()  # new processes: strict from their start
+            with pytest.raises(RankError) as caught:
+                world.execute(mismatched)
+            assert {f.ename for f in caught.value.failures} == {"CollectiveMismatch"}, moment
+            assert "rank 1 calls broadcast(float32[3], src=0)" in caught.value.root_cause.evalue
+            assert world.state == "healthy", moment  # caught before anything was sent
+            world.execute("dist.all_reduce(x)")
+            assert {r: v.tolist() for r, v in world.pull("x").items()} == {0: [2.0] * 3, 1: [2.0] * 3}
