@@ -41,6 +41,13 @@ def test_a_warmed_up_template_forks_the_next_worlds_controller_and_ranks(no_spar
         # a fork keeps the template's command line; its name says what it is (ps, top)
         assert psutil.Process(controller).name() == "ddp-controller"
         assert [psutil.Process(info.pid).name() for info in world.ranks] == ["ddp-rank0", "ddp-rank1"]
+        # the controller runs its schedulers as threads: of a process this size it forks only the
+        # heart monitor (ipyparallel keeps that one apart, so beats go on while the hub is busy)
+        assert len(psutil.Process(controller).children(recursive=True)) == 1
+        # what the template imported is frozen out of the collector in every fork (a fresh process
+        # freezes nothing): the ranks' collections never walk torch's objects
+        frozen = world.execute("import gc\ngc.get_freeze_count()", stream=False)
+        assert all(int(frozen.value_text(rank)) > 10_000 for rank in (0, 1))
         assert (
             world.execute(
                 "import torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()", stream=False
