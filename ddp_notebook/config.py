@@ -34,7 +34,10 @@ CPU_RANKS_PER_CORE = 2
 # warm_start=...), then rss/pss/uss per pid): a rank started as a fresh interpreter has RSS
 # 333-345 MiB (PSS 262, USS 250); a rank forked from the warm template RSS 270-289 MiB but
 # PSS 137-159 MiB (it shares torch with the template, RSS 321 MiB), even after a DDP step and
-# gc.collect(); the controller and its helpers about 100 MiB PSS in all. The fresh rank's RSS
+# gc.collect(). Since the template freezes its objects out of the collector (gc.freeze), a forked
+# rank's own memory (USS) after an all_reduce is 40 MiB instead of 108, and the controller (its
+# schedulers threads, one heart-monitor process) 131 MiB PSS instead of 253 in 9 processes
+# (/tmp script: warm_up(wait=60), DDPCluster(2), one all_reduce, memory_full_info()). The fresh rank's RSS
 # covers a warm world too (the template's share included). GPU ranks hold more host memory
 # (the CUDA libraries), not measured here: for them this is a lower bound.
 RANK_MEMORY_BYTES = 340 * 2**20
