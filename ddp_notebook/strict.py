@@ -14,6 +14,7 @@ checks its own shapes when it wraps the model).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ CHECKED = (
 )
 SIGNATURE_BYTES = 512  # what each rank sends per check (longer descriptions are cut)
 
-_state: dict[str, Any] = {"originals": {}, "group": None, "world": None}
+_state: dict[str, Any] = {"originals": {}, "group": None, "world": None, "checking": None}
 
 
 class CollectiveMismatch(RuntimeError):
@@ -61,14 +62,33 @@ def check_collectives(enabled: bool = True) -> None:
 def _checked(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
+        import torch
         import torch.distributed as dist
 
         group = kwargs.get("group")
         if group is None or group is dist.group.WORLD:
-            _check(_signature(name, args, kwargs))
+            # while its peers have not come to the check, the X-ray shows the rank as waiting in
+            # this collective: a peer that skipped it is then named within seconds, as without checks
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            _state["checking"] = {
+                "op": name,
+                "shapes": [list(t.shape) for t in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "since_ns": time.time_ns(),
+            }
+            try:
+                _check(_signature(name, args, kwargs))
+            finally:
+                _state["checking"] = None
         return original(*args, **kwargs)
 
     return checked
+
+
+def checking() -> dict[str, Any] | None:
+    """The collective this rank is checking now, waiting for its peers to come to the check
+    (op, shapes, dtypes, since_ns), or None."""
+    return _state["checking"]  # type: ignore[no-any-return]
 
 
 def _signature(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -109,6 +109,9 @@ def report(full: bool = True) -> dict[str, Any]:
     at least STABLE_SECONDS ago: a full dump costs milliseconds, its status line microseconds.
     """
     entries, last_done = _collectives(full)
+    checking = _strict_check(entries, last_done)
+    if checking is not None:
+        entries = [*entries, checking]
     line, in_cell = _main_thread_cell_line()
     from .debugger import status
     from .timing import CLOCK
@@ -144,6 +147,25 @@ def _collectives(full: bool) -> tuple[list[dict[str, Any]], int]:
     if now - pending[1] < STABLE_SECONDS:
         return [], done
     return [e for e in _flight_recorder_entries() if not e["retired"]], done
+
+
+def _strict_check(entries: list[dict[str, Any]], last_done: int) -> dict[str, Any] | None:
+    """In strict mode, the collective the rank is checking (its peers' checks not come yet), as
+    the default group's next entry: the check runs on a group of its own, which the recorder
+    files elsewhere, and the collective it guards is the next of the default group."""
+    strict = sys.modules.get("ddp_notebook.strict")
+    pending = strict.checking() if strict is not None else None
+    if pending is None:
+        return None
+    seq = max([e["seq"] for e in entries] + [last_done]) + 1
+    return {
+        "seq": seq,
+        "op": pending["op"],
+        "shapes": pending["shapes"],
+        "dtypes": pending["dtypes"],
+        "retired": False,
+        "created_ns": pending["since_ns"],
+    }
 
 
 def _default_group_progress() -> tuple[int, int] | None:

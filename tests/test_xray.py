@@ -256,6 +256,35 @@ def test_strict_mode_names_each_ranks_call_and_the_group_stays_whole(world3: DDP
 
 
 @pytest.mark.integration
+def test_in_strict_mode_a_rank_waiting_in_its_check_for_a_skipped_collective_is_named_within_5_s(
+    world3: DDPCluster,
+) -> None:
+    # the check runs on a group of its own; a peer that finished without the collective would
+    # leave rank 0 waiting there until the collective timeout, unseen by the X-ray
+    world3.execute("ddp_notebook.check_collectives()\nkept = rank + 1\ndist.all_reduce(torch.ones(1))")
+    try:
+        first = {reading.last_seq for reading in world3.collectives().values()}
+        assert len(first) == 1, first
+        seq = first.pop() + 1
+        with pytest.raises(CollectiveMismatchError) as caught:
+            world3.execute("if rank == 0:\n    dist.all_reduce(torch.ones(2))\n", timeout=60)
+        assert caught.value.mismatch.waited < 5, "the mismatch was not caught within 5 s"
+        text = "\n".join(caught.value._render_traceback_())
+        assert "finished the cell without a collective" in caught.value.mismatch.summary
+        assert f"rank 0 waits in all_reduce #{seq} [2], cell line 2" in text
+        assert f"rank 1 finished the cell after collective #{seq - 1}: it never ran #{seq}" in text
+        assert world3.state == "healthy" and world3.pull("kept") == {0: 1, 1: 2, 2: 3}
+        # still strict on the new group: a checked all-reduce works, a mismatched one is caught
+        world3.execute("y = torch.ones(1)\ndist.all_reduce(y)")
+        assert {r: v.item() for r, v in world3.pull("y").items()} == {0: 3.0, 1: 3.0, 2: 3.0}
+        with pytest.raises(RankError) as mismatched:
+            world3.execute("if rank == 2:\n    dist.broadcast(y, 0)\nelse:\n    dist.all_reduce(y)")
+        assert {f.ename for f in mismatched.value.failures} == {"CollectiveMismatch"}
+    finally:
+        world3.execute("ddp_notebook.check_collectives(False)")
+
+
+@pytest.mark.integration
 def test_strict_mode_from_the_api_holds_from_the_start_after_a_heal_and_a_restart(no_leaks: None) -> None:
     mismatched = "x = torch.ones(3)\nif rank == 1:\n    dist.broadcast(x, 0)\nelse:\n    dist.all_reduce(x)"
     with DDPCluster(2, backend="gloo", timeout=60, check_collectives=True) as world:
