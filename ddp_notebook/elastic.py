@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import channel
 from . import rank as rank_side
 
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
@@ -38,7 +39,9 @@ class Snapshot:
 
 _tracked: dict[str, Any] = {}  # name -> object, or _NAMESPACE for a value of the user namespace
 _snapshots: deque[Snapshot] = deque(maxlen=KEEP_SNAPSHOTS)
-_settings: dict[str, Any] = {"every": DEFAULT_SNAPSHOT_EVERY, "seq": 0, "hooked": False}
+# collective: a tracked model is sharded, so a snapshot gathers (every rank takes it at once)
+_settings: dict[str, Any] = {"every": DEFAULT_SNAPSHOT_EVERY, "seq": 0, "hooked": False, "collective": False}
+_owners: dict[str, str] = {}  # name of a tracked optimizer over a sharded model -> name of that model
 _NAMESPACE = object()
 
 
@@ -58,13 +61,18 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
         ):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
-        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj):
+        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj) and not _reshardable(obj):
             raise TypeError(
-                f"'{name}' is sharded (FSDP2): tracking sharded models is not supported yet; "
-                "save it with ddp_notebook.save_checkpoint instead"
+                f"'{name}' was sharded by fully_shard directly or on a mesh of more than one dimension: "
+                "shard it with ddp_notebook.shard_model to track it"
             )
+    owners = _sharded_owners({**_tracked, **objects})
+    for name, obj in objects.items():
         _tracked[name] = obj if _restorable(obj) else _NAMESPACE
+    _owners.clear()
+    _owners.update(owners)
     _settings["every"] = snapshot_every
+    _settings["collective"] = any(_is_sharded_module(obj) for obj in _tracked.values())
     for obj in _tracked.values():
         if isinstance(obj, rank_side.EpochDataLoader):
             obj.after_batch = _after_batch
@@ -81,7 +89,11 @@ def tracked() -> list[str]:
 
 
 def snapshot(where: str = "an explicit snapshot") -> int:
-    """Copy the tracked state now (in memory); returns the snapshot's number."""
+    """Copy the tracked state now (in memory); returns the snapshot's number.
+
+    With a sharded (FSDP2) model tracked this gathers its whole state: a collective, to call on
+    every rank at the same point of the code.
+    """
     _settings["seq"] += 1
     _snapshots.append(Snapshot(_settings["seq"], where, _capture()))
     return int(_settings["seq"])
@@ -183,7 +195,12 @@ def _namespace() -> dict[str, Any]:
 
 
 def _after_cell(result: Any) -> None:
-    if _tracked and getattr(result, "success", False):
+    if not (_tracked and getattr(result, "success", False)):
+        return
+    if _settings["collective"]:
+        # another rank may have failed or still be in the cell: the notebook, which knows, takes it
+        channel.publish_snapshot_owed()
+    else:
         snapshot("the end of a cell")
 
 
@@ -205,8 +222,13 @@ def _capture() -> dict[str, Any]:
                 state[name] = ("value", copy.deepcopy(namespace[name]))
         elif isinstance(obj, rank_side.EpochDataLoader):
             state[name] = ("loader", obj.position_state())
+        elif _is_sharded_module(obj):
+            state[name] = ("sharded_module", _copied(_sharding().full_model_state(obj)))
         elif isinstance(obj, torch.nn.Module):
             state[name] = ("module", _copied(_module(obj).state_dict()))
+        elif name in _owners:
+            model = _tracked[_owners[name]]
+            state[name] = ("sharded_optimizer", _copied(_sharding().full_optimizer_state(model, obj)))
         else:
             state[name] = ("state_dict", _copied(obj.state_dict()))
     return state
@@ -214,9 +236,17 @@ def _capture() -> dict[str, Any]:
 
 def _apply(state: dict[str, Any]) -> None:
     namespace = _namespace()
-    for name, (kind, value) in state.items():
+    # sharded models first: sharding one again on this world gives it new parameters, which
+    # the optimizers must point at before they load their state
+    ordered = sorted(state.items(), key=lambda item: item[1][0] != "sharded_module")
+    for name, (kind, value) in ordered:
         obj = _tracked[name]
-        if kind == "value":
+        if kind == "sharded_module":
+            _reshard_if_needed(obj)
+            _sharding().load_full_model_state(obj, value)
+        elif kind == "sharded_optimizer":
+            _sharding().load_full_optimizer_state(_tracked[_owners[name]], obj, value)
+        elif kind == "value":
             namespace[name] = copy.deepcopy(value)
         elif kind == "loader":
             obj.resume_from(value)
@@ -224,6 +254,54 @@ def _apply(state: dict[str, Any]) -> None:
             _module(obj).load_state_dict(value)
         else:
             obj.load_state_dict(copy.deepcopy(value))
+
+
+def _sharding() -> Any:
+    from . import sharding
+
+    return sharding
+
+
+def _is_sharded_module(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj)
+
+
+def _reshardable(model: torch.nn.Module) -> bool:
+    return bool(_sharding().can_reshard(model))
+
+
+def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
+    """Optimizer name -> the name of the tracked sharded model it optimizes; its state is saved
+    whole (gathered) and loaded by parameter name, which needs the model."""
+    from torch.distributed.tensor import DTensor
+
+    models = {name: obj for name, obj in objects.items() if _is_sharded_module(obj)}
+    owners = {}
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        params = {id(p) for group in obj.param_groups for p in group["params"]}
+        if not any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"]):
+            continue
+        owner = next((model for model, m in models.items() if params & {id(p) for p in m.parameters()}), None)
+        if owner is None:
+            raise TypeError(f"'{name}' optimizes a sharded model: track that model too (track(model=..., {name}=...))")
+        owners[name] = owner
+    return owners
+
+
+def _reshard_if_needed(model: torch.nn.Module) -> None:
+    """A model sharded on another number of ranks (the world was resized, or this rank replayed the
+    setup cells alone) is sharded again over the world; every optimizer that held its old
+    parameters is pointed at the new ones (their state comes with the snapshot, or is lost)."""
+    sharding = _sharding()
+    if sharding.mesh_size(model) == dist.get_world_size():
+        return
+    moved = sharding.reshard(model, rank_side.context().device)
+    candidates = [obj for obj in _tracked.values() if isinstance(obj, torch.optim.Optimizer)]
+    candidates += [value for value in _namespace().values() if isinstance(value, torch.optim.Optimizer)]
+    for optimizer in {id(o): o for o in candidates}.values():
+        sharding.repoint(optimizer, moved)
 
 
 def _copied(value: Any) -> Any:
