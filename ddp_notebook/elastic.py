@@ -40,7 +40,13 @@ class Snapshot:
 _tracked: dict[str, Any] = {}  # name -> object, or _NAMESPACE for a value of the user namespace
 _snapshots: deque[Snapshot] = deque(maxlen=KEEP_SNAPSHOTS)
 # collective: a tracked model is sharded, so a snapshot gathers (every rank takes it at once)
-_settings: dict[str, Any] = {"every": DEFAULT_SNAPSHOT_EVERY, "seq": 0, "hooked": False, "collective": False}
+_settings: dict[str, Any] = {
+    "every": DEFAULT_SNAPSHOT_EVERY,
+    "seq": 0,
+    "hooked": False,
+    "collective": False,
+    "sharded_mark": None,  # _sharded_mark() when the sharded state was last copied
+}
 _owners: dict[str, str] = {}  # name of a tracked optimizer over a sharded model -> name of that model
 _NAMESPACE = object()
 
@@ -94,8 +100,15 @@ def snapshot(where: str = "an explicit snapshot") -> int:
     With a sharded (FSDP2) model tracked this gathers its whole state: a collective, to call on
     every rank at the same point of the code.
     """
+    return _take(where, reuse_sharded=False)
+
+
+def _take(where: str, reuse_sharded: bool) -> int:
     _settings["seq"] += 1
-    _snapshots.append(Snapshot(_settings["seq"], where, _capture()))
+    state = _capture(_snapshots[-1].state if reuse_sharded else None)
+    _snapshots.append(Snapshot(_settings["seq"], where, state))
+    if _settings["collective"]:
+        _settings["sharded_mark"] = _sharded_mark()
     return int(_settings["seq"])
 
 
@@ -105,7 +118,8 @@ def snapshot_numbers() -> list[int]:
 
 def snapshot_bytes() -> int:
     """Memory the kept snapshots take on this rank (tensors only)."""
-    return sum(_tensor_bytes(snap.state) for snap in _snapshots)
+    seen: set[int] = set()
+    return sum(_tensor_bytes(snap.state, seen) for snap in _snapshots)
 
 
 def restore(seq: int, source: int) -> str:
@@ -129,6 +143,7 @@ def restore(seq: int, source: int) -> str:
     _snapshots.clear()
     _snapshots.append(chosen)
     _settings["seq"] = chosen.seq
+    _settings["sharded_mark"] = _sharded_mark() if _settings["collective"] else None
     return chosen.where
 
 
@@ -197,11 +212,16 @@ def _namespace() -> dict[str, Any]:
 def _after_cell(result: Any) -> None:
     if not (_tracked and getattr(result, "success", False)):
         return
-    if _settings["collective"]:
-        # another rank may have failed or still be in the cell: the notebook, which knows, takes it
-        channel.publish_snapshot_owed()
-    else:
+    if not _settings["collective"]:
         snapshot("the end of a cell")
+    elif _snapshots and _sharded_mark() == _settings["sharded_mark"]:
+        # the sharded state is as the last snapshot gathered it (a cell that did not train):
+        # that copy serves again, with fresh copies of the rest, and no collective is needed
+        _take("the end of a cell", reuse_sharded=True)
+    else:
+        # gathering is a collective, and another rank may have failed or still be in the cell:
+        # the notebook, which knows, has every rank take it at once
+        channel.publish_snapshot_owed()
 
 
 def _after_batch(loader: rank_side.EpochDataLoader) -> None:
@@ -213,11 +233,14 @@ def _module(obj: torch.nn.Module) -> torch.nn.Module:
     return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
 
 
-def _capture() -> dict[str, Any]:
+def _capture(last: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of the tracked state; the sharded parts come from `last` where given (unchanged)."""
     namespace = _namespace()
     state: dict[str, Any] = {}
     for name, obj in _tracked.items():
-        if obj is _NAMESPACE:
+        if last is not None and name in last and last[name][0] in ("sharded_module", "sharded_optimizer"):
+            state[name] = last[name]
+        elif obj is _NAMESPACE:
             if name in namespace:
                 state[name] = ("value", copy.deepcopy(namespace[name]))
         elif isinstance(obj, rank_side.EpochDataLoader):
@@ -290,6 +313,37 @@ def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
     return owners
 
 
+def _sharded_mark() -> list[Any]:
+    """What changes when a tracked sharded model or its optimizer does: the version counters of
+    their local tensors (bumped by every in-place write: a step, a load) and the optimizers'
+    hyperparameters. Comparing it costs no collective."""
+    mark: list[Any] = []
+    for name, obj in _tracked.items():
+        if _is_sharded_module(obj):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            mark.append([_version(t) for t in tensors])
+        elif name in _owners:
+            mark.append([_versions(state) for state in obj.state.values()])
+            mark.append([_versions(_hyperparameters(group)) for group in obj.param_groups])
+    return mark
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _versions(value: dict[str, Any]) -> list[Any]:
+    """A dict's values, with each tensor as its identity and write counts: cheap to compare, no copy."""
+    return [(key, _version(item) if isinstance(item, torch.Tensor) else item) for key, item in value.items()]
+
+
+def _version(tensor: torch.Tensor) -> tuple[int, int, int, int]:
+    """A tensor's identity, storage and write counts: a DTensor counts writes through it (an
+    optimizer's step), its local tensor those made to the shard directly (FSDP's own)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (id(tensor), local.data_ptr(), tensor._version, local._version)
+
+
 def _reshard_if_needed(model: torch.nn.Module) -> None:
     """A model sharded on another number of ranks (the world was resized, or this rank replayed the
     setup cells alone) is sharded again over the world; every optimizer that held its old
@@ -315,11 +369,16 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the tensors in `value`, each counted once (snapshots share unchanged sharded parts)."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
+        return sum(_tensor_bytes(item, seen) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
+        return sum(_tensor_bytes(item, seen) for item in value)
     return 0

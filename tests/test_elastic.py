@@ -149,6 +149,11 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
         world.execute("from ddp_notebook import elastic\nkept = [s.where for s in elastic._snapshots]")
         assert world.pull("kept") == {0: ["the end of a cell"], 1: ["the end of a cell"]}
+        # a cell that left the model and optimizer as they were: each rank snapshots alone, reusing the gathered copy
+        world.execute("reused = elastic._snapshots[-1].state['model'] is elastic._snapshots[-2].state['model']")
+        assert world.pull("reused") == {0: True, 1: True}
+        numbers = world.execute("elastic.snapshot_numbers()", stream=False)
+        assert numbers.value_text(0) == numbers.value_text(1) == "[2, 3]"
         back = r"^rank 1 was killed by SIGKILL\. Rank 1 came back in .*the snapshot taken at epoch 1, batch 3"
         with pytest.raises(RankDiedError, match=back):
             _train(world, "", kill_rank=1, kill_at=11)
