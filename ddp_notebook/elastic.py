@@ -9,6 +9,19 @@ its snapshot to every rank (`restore`), so the whole world goes back to one cons
 Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
 parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
 epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace).
+
+A model sharded by `shard_model` (FSDP2) is world state too once gathered: its snapshot holds
+the whole model (and a tracked optimizer over it the whole optimizer state, keyed by parameter
+name), taken through `torch.distributed.checkpoint.state_dict` and copied to the CPU on every
+rank, so any survivor can serve it and it loads on any world size (each rank keeps its slice).
+Gathering is a collective, so it happens only where every rank is at the same point: the
+tracked loader's every-K-batches hook, `snapshot()` called on every rank, a resize, and the end
+of a cell that succeeded on every rank, which the notebook asks all ranks for at once (a rank's
+own end-of-cell hook cannot know that the others got there; it publishes that one is owed). A
+cell that left the sharded state as it was (no step, no load: the write counts of its tensors
+say so) needs no gather: each rank reuses the last gathered copy. A rank that replayed the
+setup cells alone (a one-rank mesh) or a world of another size shards the model again over the
+world before loading it (`sharding.reshard`), and points the optimizers at its new parameters.
 """
 
 from __future__ import annotations
@@ -57,8 +70,11 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
     `load_state_dict`) and loaders from `prepare_loader` are restored in place; any other
     value names a variable of the rank's namespace (`step=step`) restored by that name.
-    A snapshot is taken now, at the end of every cell that succeeds, and every
+    A snapshot is taken at the end of every cell that succeeds, and every
     `snapshot_every` batches of a tracked loader.
+
+    A model sharded by `shard_model` (FSDP2) is snapshotted whole (gathered; a CPU copy of the
+    full model on every rank), and an optimizer over it must be tracked with it.
     """
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")

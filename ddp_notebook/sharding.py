@@ -14,6 +14,11 @@ and its sub-meshes are held by DTensors, by FSDP's mesh infos and by the user's 
 plans; rebuilding them means a collective `new_group` per slice and finding every holder. One
 missed holder leaves a model half on the dead group, which hangs or fails in its next collective,
 so such models are named at the heal instead, to be sharded again.
+
+`shard_model` also keeps a recipe of what it did (the unsharded structure on the meta device, the
+blocks' names, the options): a tracked model (elastic.py) is sharded again from it when the world
+it must span has another size (`reshard`), and its state is gathered and loaded whole through
+`torch.distributed.checkpoint.state_dict` (`full_model_state`, `load_full_model_state`).
 """
 
 from __future__ import annotations
