@@ -8,7 +8,9 @@ its snapshot to every rank (`restore`), so the whole world goes back to one cons
 
 Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
 parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
-epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace).
+epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace). A
+snapshot also keeps the rank's own random number generators: a survivor goes back to its own,
+a new rank takes the sender's (the same stream where the ranks were seeded alike).
 
 A model sharded by `shard_model` (FSDP2) is world state too once gathered: its snapshot holds
 the whole model (and a tracked optimizer over it the whole optimizer state, keyed by parameter
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
+import sys
 from collections import deque
 from typing import Any
 
@@ -48,6 +52,9 @@ class Snapshot:
     seq: int  # how many snapshots this rank took: the same on every rank at the same point
     where: str  # "epoch E, batch B" or "end of a cell", for the message after a comeback
     state: dict[str, Any]
+    # this rank's random number generators (torch's CPU one, CUDA's, Python's, NumPy's): its own,
+    # not the world's, since ranks may be seeded apart
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _tracked: dict[str, Any] = {}  # name -> object, or _NAMESPACE for a value of the user namespace
@@ -122,7 +129,7 @@ def snapshot(where: str = "an explicit snapshot") -> int:
 def _take(where: str, reuse_sharded: bool) -> int:
     _settings["seq"] += 1
     state = _capture(_snapshots[-1].state if reuse_sharded else None)
-    _snapshots.append(Snapshot(_settings["seq"], where, state))
+    _snapshots.append(Snapshot(_settings["seq"], where, state, _rng()))
     if _settings["collective"]:
         _settings["sharded_mark"] = _sharded_mark()
     return int(_settings["seq"])
@@ -156,6 +163,11 @@ def restore(seq: int, source: int) -> str:
             f"rank {me} does not track {', '.join(missing)}: call ddp_notebook.track(...) in a %%ddp --setup cell"
         )
     _apply(chosen.state)
+    # a rank that holds this snapshot goes back to its own generators; a new rank takes the
+    # sender's, which are its own where the ranks were seeded alike (the usual manual_seed(0))
+    if found is not None:
+        chosen = dataclasses.replace(chosen, rng=found.rng)
+    _set_rng(chosen.rng)
     _snapshots.clear()
     _snapshots.append(chosen)
     _settings["seq"] = chosen.seq
@@ -293,6 +305,40 @@ def _apply(state: dict[str, Any]) -> None:
             _module(obj).load_state_dict(value)
         else:
             obj.load_state_dict(copy.deepcopy(value))
+
+
+def _rng() -> dict[str, Any]:
+    """This rank's generators as they are now (a few KiB)."""
+    found: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    gpu = _gpu()
+    if gpu is not None:
+        found["cuda"] = torch.cuda.get_rng_state(gpu)
+    numpy = sys.modules.get("numpy")  # only where the user's code imported it
+    if numpy is not None:
+        found["numpy"] = numpy.random.get_state()
+    return found
+
+
+def _gpu() -> torch.device | None:
+    """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
+    context = rank_side._state.get("context")
+    if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return context.device
+
+
+def _set_rng(saved: dict[str, Any]) -> None:
+    if "torch" in saved:
+        torch.set_rng_state(saved["torch"])
+    if "python" in saved:
+        random.setstate(saved["python"])
+    gpu = _gpu()
+    if "cuda" in saved and gpu is not None:
+        torch.cuda.set_rng_state(saved["cuda"], gpu)  # the sender's GPU generator onto this rank's GPU
+    if "numpy" in saved:
+        import numpy
+
+        numpy.random.set_state(saved["numpy"])
 
 
 def _sharding() -> Any:

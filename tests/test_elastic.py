@@ -20,13 +20,16 @@ SAMPLES, EPOCHS = 64, 2
 # the model, data and optimizer of both runs; {p} prefixes the names so that the reference
 # run and the tracked run share one world without touching each other's state; {wrap} is
 # prepare_model (DDP) or shard_model (FSDP2: the inner Sequential's two Linear layers are
-# sharded one by one, then the root)
+# sharded one by one, then the root); {drop} is the dropout's probability (its masks come from
+# torch's generator, which a snapshot keeps)
 BUILD = """
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 torch.manual_seed(0)
 {p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
-{p}net = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+{p}net = torch.nn.Sequential(
+    torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout({drop}), torch.nn.Linear(8, 1))
+)
 {p}model = ddp_notebook.{wrap}({p}net)
 {p}opt = torch.optim.SGD({p}model.parameters(), lr=0.05, momentum=0.9)
 {p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
@@ -53,6 +56,7 @@ while {p}loader.epoch < {epochs}:
 # the whole parameters (a sharded one is gathered: every rank runs this)
 PARAMS = "[getattr(p, 'full_tensor', p.detach)().detach().clone() for p in {p}model.parameters()]"
 DDP, FSDP = "prepare_model", "shard_model"
+DROP = 0.5  # the comeback tests train with dropout: a rank brought back needs the generator's state too
 KILL = "import os, signal\nif rank == {rank}:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()"
 
 
@@ -66,9 +70,13 @@ def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
     return world.pull("params_now")
 
 
+def _build(prefix: str, wrap: str, drop: float) -> str:
+    return BUILD.format(p=prefix, n=SAMPLES, wrap=wrap, drop=drop)
+
+
 def _reference(world: DDPCluster, wrap: str) -> tuple[list[torch.Tensor], list[list[int]]]:
     """The same training, uninterrupted, in this world: its final parameters and sample log."""
-    world.execute(BUILD.format(p="ref_", n=SAMPLES, wrap=wrap))
+    world.execute(_build("ref_", wrap, DROP))
     _train(world, "ref_")
     reference = _params(world, "ref_")
     assert _bitwise_equal(reference[0], reference[1])
@@ -100,7 +108,7 @@ def _each_sample_once_per_epoch(seen: list[list[int]]) -> None:
 def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
     with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
         reference, reference_seen = _reference(world, DDP)
-        world.execute(BUILD.format(p="", n=SAMPLES, wrap=DDP) + TRACK, setup=True)
+        world.execute(_build("", DDP, DROP) + TRACK, setup=True)
         world.execute("untracked = 'kept'")
         survivor_pid = world.ranks[0].pid
         # rank 1 dies mid-epoch (epoch 1, step 11 of 16); the world is back without any call
@@ -145,7 +153,7 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
     is sharded again over the world, and every rank loads the gathered snapshot."""
     with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
         reference, reference_seen = _reference(world, FSDP)
-        world.execute(BUILD.format(p="", n=SAMPLES, wrap=FSDP) + TRACK, setup=True)
+        world.execute(_build("", FSDP, DROP) + TRACK, setup=True)
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
         world.execute("from ddp_notebook import elastic\nkept = [s.where for s in elastic._snapshots]")
         assert world.pull("kept") == {0: ["the end of a cell"], 1: ["the end of a cell"]}
@@ -204,7 +212,7 @@ def _trained_in_one_process(seen: list[list[int]]) -> list[torch.Tensor]:
     (every rank's batch has as many samples, so the world's mean gradient is this batch's)."""
     torch.manual_seed(0)  # as BUILD does
     x, y = torch.randn(SAMPLES, 4), torch.randn(SAMPLES, 1)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))  # no dropout (0.0)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     for ids in seen:
         loss = torch.nn.functional.mse_loss(net(x[ids]), y[ids])
@@ -228,14 +236,14 @@ def _spans_the_world(world: DDPCluster, wrap: str) -> None:
     world.execute(SPAN)
     everyone = range(world.world_size)
     assert world.pull("span") == {rank: world.world_size for rank in everyone}
-    assert world.pull("units") == {rank: ["", "0.0", "0.2"] if wrap == FSDP else [] for rank in everyone}
+    assert world.pull("units") == {rank: ["", "0.0", "0.3"] if wrap == FSDP else [] for rank in everyone}
     assert world.pull("optimizes_model") == {rank: True for rank in everyone}
 
 
 @pytest.mark.parametrize("wrap", [DDP, FSDP])
 def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None, wrap: str) -> None:
     with DDPCluster(2, backend="gloo", timeout=60) as world:
-        world.execute(BUILD.format(p="", n=SAMPLES, wrap=wrap) + TRACK, setup=True)
+        world.execute(_build("", wrap, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
         _train(world, "")  # two epochs at 2 ranks
         before = _params(world, "")
@@ -338,6 +346,18 @@ def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
     for sampler in (loader.sampler for loader in loaders):
         sampler.set_epoch(0)
     assert [list(loader.sampler) for loader in loaders] == reference
+
+
+def test_a_resumed_epoch_draws_nothing_from_torchs_generator() -> None:
+    # an epoch's start draws the workers' base seed; a resumed one drew it before its snapshot
+    (loader,) = _loaders(TensorDataset(torch.arange(20)), 1)
+    _use([loader], 2, [])
+    loader.resume_from(loader.position_state())
+    before = torch.get_rng_state()
+    iter(loader)
+    assert torch.equal(torch.get_rng_state(), before)
+    iter(loader)  # the next epoch, from its start, draws as any DataLoader does
+    assert not torch.equal(torch.get_rng_state(), before)
 
 
 def test_a_resized_world_deals_the_rest_of_the_epoch_over_the_new_ranks() -> None:
