@@ -412,6 +412,8 @@ def _reshard_if_needed(model: torch.nn.Module) -> None:
     parameters is pointed at the new ones (their state comes with the snapshot, or is lost)."""
     sharding = _sharding()
     if sharding.mesh_size(model) == dist.get_world_size():
+        # a survivor's model may have been mid-step when the peer died: torch's recovery for that
+        model.reset_iter_state()
         return
     moved = sharding.reshard(model, rank_side.context().device)
     candidates = [obj for obj in _tracked.values() if isinstance(obj, torch.optim.Optimizer)]

@@ -42,11 +42,11 @@ TRAIN = """
 import os, signal
 while {p}loader.epoch < {epochs}:
     for x, y, ids in {p}loader:
-        if rank == KILL_RANK and {p}step == KILL_AT:
-            os.kill(os.getpid(), signal.SIGKILL)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, ids.tolist())
         {p}seen.append(sum(gathered, []))
+        if rank == KILL_RANK and {p}step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are then in the step's first collective
         loss = torch.nn.functional.mse_loss({p}model(x), y)
         {p}opt.zero_grad()
         loss.backward()
