@@ -92,7 +92,8 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
         if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj) and not _reshardable(obj):
             raise TypeError(
-                f"'{name}' was sharded by fully_shard directly or on a mesh of more than one dimension: "
+                f"'{name}' cannot be sharded again on another number of ranks (it was sharded by fully_shard "
+                "directly, on a mesh of more than one dimension, or copy.deepcopy cannot copy it): "
                 "shard it with ddp_notebook.shard_model to track it"
             )
     owners = _sharded_owners({**_tracked, **objects})

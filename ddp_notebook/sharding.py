@@ -94,7 +94,7 @@ def shard_model(
     chosen = list(default_blocks(model) if blocks is None else blocks)
     names = {id(module): name for name, module in model.named_modules()}
     if mesh.ndim == 1 and all(id(block) in names for block in chosen):  # it can be sharded again (reshard)
-        _recipes[model] = _Recipe(_meta_copy(model), [names[id(b)] for b in chosen], dict(fully_shard_kwargs))
+        _keep_recipe(model, [names[id(b)] for b in chosen], fully_shard_kwargs)
     for block in chosen:
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
@@ -251,6 +251,14 @@ def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     for buffer in model.buffers():
         memo[id(buffer)] = buffer.detach().to("meta")
     return copy.deepcopy(model, memo)
+
+
+def _keep_recipe(model: torch.nn.Module, blocks: list[str], kwargs: dict[str, Any]) -> None:
+    try:
+        template = _meta_copy(model)
+    except Exception:  # noqa: BLE001  (a model deepcopy cannot copy shards as before; track() then refuses it)
+        return
+    _recipes[model] = _Recipe(template, blocks, dict(kwargs))
 
 
 def can_reshard(model: torch.nn.Module) -> bool:

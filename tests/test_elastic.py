@@ -300,7 +300,7 @@ def test_what_cannot_be_tracked_is_refused_with_one_line(world: DDPCluster) -> N
     direct = "from torch.distributed.fsdp import fully_shard\ndirect = fully_shard(torch.nn.Linear(2, 2))"
     sharded = "sharded = ddp_notebook.shard_model(torch.nn.Linear(2, 2))\nopt = torch.optim.SGD(sharded.parameters())"
     try:
-        refused = r"'direct' was sharded by fully_shard directly .*: shard it with ddp_notebook\.shard_model"
+        refused = r"'direct' cannot be sharded again .*fully_shard directly.*: shard it with ddp_notebook\.shard_model"
         with pytest.raises(RankError, match=refused):
             world.execute(f"{direct}\nddp_notebook.track(direct=direct)")
         with pytest.raises(RankError, match=r"'opt' optimizes a sharded model: track that model too"):
