@@ -33,9 +33,6 @@ REDRAW_SECONDS = 0.1
 # the key of our messages in a published dict; other keys belong to the user
 MESSAGE_KEY = "ddp_notebook"
 MESSAGE_VERSION = 1
-# what a rank publishes when its cell succeeded and its tracked state is sharded: the notebook then
-# takes the end-of-cell snapshot on every rank at once (a collective; see elastic.py)
-SNAPSHOT_OWED_KEY = "ddp_notebook_snapshot_owed"
 
 
 # ---------------------------------------------------------------- message shapes
@@ -298,18 +295,6 @@ def _connect() -> Channel:
     shell.events.register("pre_run_cell", lambda *_: channel.begin_cell())
     shell.events.register("post_run_cell", ended)
     return channel
-
-
-def publish_snapshot_owed() -> None:
-    """From a rank's post_run_cell hook: ask the notebook for a collective end-of-cell snapshot."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    if _in_rank(get_ipython()):
-        from ipyparallel.datapub import publish_data
-
-        publish_data({SNAPSHOT_OWED_KEY: True})
 
 
 def _in_rank(shell: Any) -> bool:

@@ -250,7 +250,17 @@ def _after_cell(result: Any) -> None:
     else:
         # gathering is a collective, and another rank may have failed or still be in the cell:
         # the notebook, which knows, has every rank take it at once
-        channel.publish_snapshot_owed()
+        _publish_snapshot_owed()
+
+
+def _publish_snapshot_owed() -> None:
+    shell = _shell()
+    if shell is not None and channel._in_rank(shell):  # an ipyparallel rank: a notebook listens
+        from ipyparallel.datapub import publish_data
+
+        from .results import SNAPSHOT_OWED_KEY
+
+        publish_data({SNAPSHOT_OWED_KEY: True})
 
 
 def _after_batch(loader: rank_side.EpochDataLoader) -> None:
@@ -377,9 +387,9 @@ def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
 
 
 def _sharded_mark() -> list[Any]:
-    """What changes when a tracked sharded model or its optimizer does: the version counters of
-    their local tensors (bumped by every in-place write: a step, a load) and the optimizers'
-    hyperparameters. Comparing it costs no collective."""
+    """What changes when a tracked sharded model or its optimizer does: their tensors' identities,
+    storages and write counts (torch bumps them on every in-place write: a step, a load) and the
+    optimizers' hyperparameters. Comparing it costs no collective."""
     mark: list[Any] = []
     for name, obj in _tracked.items():
         if _is_sharded_module(obj):
@@ -414,7 +424,9 @@ def _reshard_if_needed(model: torch.nn.Module) -> None:
     sharding = _sharding()
     if sharding.mesh_size(model) == dist.get_world_size():
         # a survivor's model may have been mid-step when the peer died: torch's recovery for that
-        model.reset_iter_state()
+        # (on the root FSDP module; a tracked submodule of another sharded model has none to run)
+        if model._get_fsdp_state()._is_root is not False:
+            model.reset_iter_state()
         return
     moved = sharding.reshard(model, rank_side.context().device)
     candidates = [obj for obj in _tracked.values() if isinstance(obj, torch.optim.Optimizer)]

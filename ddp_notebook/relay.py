@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
-from .channel import SNAPSHOT_OWED_KEY
 from .errors import RankFailure, one_line
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
-from .results import CellResult, MemoryReading
+from .results import SNAPSHOT_OWED_KEY, CellResult, MemoryReading
 from .xray import Mismatch, MismatchWatch, RankCollectives
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
