@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -400,7 +401,23 @@ class DDPCluster:
         self._record_cell(code, targets, outcome.ok)
         if setup and outcome.ok:
             self.setup_cells.append(code)
+        if outcome.ok and len(targets) == self.world_size and relay.snapshot_owed():
+            self._snapshot_everywhere()
         return outcome
+
+    def _snapshot_everywhere(self) -> None:
+        """The end-of-cell snapshot of a world that tracks a sharded model: it gathers the model's
+        state, so every rank takes it at once, and only after a cell that succeeded on every rank
+        (a rank's own post_run_cell hook cannot know that the others got there)."""
+        assert self._provisioner is not None
+        engines = [info.engine_id for info in self.ranks]
+        try:
+            self._provisioner.client[engines].apply_async(rank_calls.take_snapshot, "the end of a cell").get(
+                timeout=self.config.timeout
+            )
+        except Exception as failure:  # noqa: BLE001  (the cell succeeded; the world keeps its last snapshot)
+            self._lifecycle.group_broke()  # a rank stopped in the gather: the next cell heals the group
+            (self._stderr or sys.stderr).write(f"ddp_notebook: the end-of-cell snapshot failed: {one_line(failure)}\n")
 
     def _replace_dead(self, dead: dict[int, str], unfinished: tuple[int, ...]) -> tuple[str, str]:
         """New processes for dead ranks, brought to the last snapshot (`comeback`); past

@@ -114,7 +114,8 @@ def _regroup(
     deadline: float,
 ) -> Comeback:
     """The survivors leave their group, every rank joins a new one, DDP models are wrapped again
-    and every rank loads the newest snapshot the survivors share."""
+    and every rank loads the newest snapshot the survivors share (a tracked FSDP2 model sharded
+    over another number of ranks is sharded again over the world first, on the rank side)."""
     client = provisioner.client
     if survivors:
         # survivors leave the group they were in (models from prepare_model move with them)

@@ -8,19 +8,37 @@ its snapshot to every rank (`restore`), so the whole world goes back to one cons
 
 Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
 parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
-epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace).
+epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace). A
+snapshot also keeps the rank's own random number generators: a survivor goes back to its own,
+a new rank takes the sender's (the same stream where the ranks were seeded alike).
+
+A model sharded by `shard_model` (FSDP2) is world state too once gathered: its snapshot holds
+the whole model (and a tracked optimizer over it the whole optimizer state, keyed by parameter
+name), taken through `torch.distributed.checkpoint.state_dict` and copied to the CPU on every
+rank, so any survivor can serve it and it loads on any world size (each rank keeps its slice).
+Gathering is a collective, so it happens only where every rank is at the same point: the
+tracked loader's every-K-batches hook, `snapshot()` called on every rank, a resize, and the end
+of a cell that succeeded on every rank, which the notebook asks all ranks for at once (a rank's
+own end-of-cell hook cannot know that the others got there; it publishes that one is owed). A
+cell that left the sharded state as it was (no step, no load: the write counts of its tensors
+say so) needs no gather: each rank reuses the last gathered copy. A rank that replayed the
+setup cells alone (a one-rank mesh) or a world of another size shards the model again over the
+world before loading it (`sharding.reshard`), and points the optimizers at its new parameters.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import random
+import sys
 from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import channel
 from . import rank as rank_side
 
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
@@ -34,11 +52,22 @@ class Snapshot:
     seq: int  # how many snapshots this rank took: the same on every rank at the same point
     where: str  # "epoch E, batch B" or "end of a cell", for the message after a comeback
     state: dict[str, Any]
+    # this rank's random number generators (torch's CPU one, CUDA's, Python's, NumPy's): its own,
+    # not the world's, since ranks may be seeded apart
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _tracked: dict[str, Any] = {}  # name -> object, or _NAMESPACE for a value of the user namespace
 _snapshots: deque[Snapshot] = deque(maxlen=KEEP_SNAPSHOTS)
-_settings: dict[str, Any] = {"every": DEFAULT_SNAPSHOT_EVERY, "seq": 0, "hooked": False}
+# collective: a tracked model is sharded, so a snapshot gathers (every rank takes it at once)
+_settings: dict[str, Any] = {
+    "every": DEFAULT_SNAPSHOT_EVERY,
+    "seq": 0,
+    "hooked": False,
+    "collective": False,
+    "sharded_mark": None,  # _sharded_mark() when the sharded state was last copied
+}
+_owners: dict[str, str] = {}  # name of a tracked optimizer over a sharded model -> name of that model
 _NAMESPACE = object()
 
 
@@ -48,8 +77,11 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
     `load_state_dict`) and loaders from `prepare_loader` are restored in place; any other
     value names a variable of the rank's namespace (`step=step`) restored by that name.
-    A snapshot is taken now, at the end of every cell that succeeds, and every
+    A snapshot is taken at the end of every cell that succeeds, and every
     `snapshot_every` batches of a tracked loader.
+
+    A model sharded by `shard_model` (FSDP2) is snapshotted whole (gathered; a CPU copy of the
+    full model on every rank), and an optimizer over it must be tracked with it.
     """
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
@@ -58,13 +90,19 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
         ):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
-        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj):
+        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj) and not _reshardable(obj):
             raise TypeError(
-                f"'{name}' is sharded (FSDP2): tracking sharded models is not supported yet; "
-                "save it with ddp_notebook.save_checkpoint instead"
+                f"'{name}' cannot be sharded again on another number of ranks (it was sharded by fully_shard "
+                "directly, on a mesh of more than one dimension, or copy.deepcopy cannot copy it): "
+                "shard it with ddp_notebook.shard_model to track it"
             )
+    owners = _sharded_owners({**_tracked, **objects})
+    for name, obj in objects.items():
         _tracked[name] = obj if _restorable(obj) else _NAMESPACE
+    _owners.clear()
+    _owners.update(owners)
     _settings["every"] = snapshot_every
+    _settings["collective"] = any(_is_sharded_module(obj) for obj in _tracked.values())
     for obj in _tracked.values():
         if isinstance(obj, rank_side.EpochDataLoader):
             obj.after_batch = _after_batch
@@ -81,9 +119,20 @@ def tracked() -> list[str]:
 
 
 def snapshot(where: str = "an explicit snapshot") -> int:
-    """Copy the tracked state now (in memory); returns the snapshot's number."""
+    """Copy the tracked state now (in memory); returns the snapshot's number.
+
+    With a sharded (FSDP2) model tracked this gathers its whole state: a collective, to call on
+    every rank at the same point of the code.
+    """
+    return _take(where, reuse_sharded=False)
+
+
+def _take(where: str, reuse_sharded: bool) -> int:
     _settings["seq"] += 1
-    _snapshots.append(Snapshot(_settings["seq"], where, _capture()))
+    state = _capture(_snapshots[-1].state if reuse_sharded else None)
+    _snapshots.append(Snapshot(_settings["seq"], where, state, _rng()))
+    if _settings["collective"]:
+        _settings["sharded_mark"] = _sharded_mark()
     return int(_settings["seq"])
 
 
@@ -93,7 +142,8 @@ def snapshot_numbers() -> list[int]:
 
 def snapshot_bytes() -> int:
     """Memory the kept snapshots take on this rank (tensors only)."""
-    return sum(_tensor_bytes(snap.state) for snap in _snapshots)
+    seen: set[int] = set()
+    return sum(_tensor_bytes(snap.state, seen) for snap in _snapshots)
 
 
 def restore(seq: int, source: int) -> str:
@@ -114,9 +164,15 @@ def restore(seq: int, source: int) -> str:
             f"rank {me} does not track {', '.join(missing)}: call ddp_notebook.track(...) in a %%ddp --setup cell"
         )
     _apply(chosen.state)
+    # a rank that holds this snapshot goes back to its own generators; a new rank takes the
+    # sender's, which are its own where the ranks were seeded alike (the usual manual_seed(0))
+    if found is not None:
+        chosen = dataclasses.replace(chosen, rng=found.rng)
+    _set_rng(chosen.rng)
     _snapshots.clear()
     _snapshots.append(chosen)
     _settings["seq"] = chosen.seq
+    _settings["sharded_mark"] = _sharded_mark() if _settings["collective"] else None
     return chosen.where
 
 
@@ -183,8 +239,28 @@ def _namespace() -> dict[str, Any]:
 
 
 def _after_cell(result: Any) -> None:
-    if _tracked and getattr(result, "success", False):
+    if not (_tracked and getattr(result, "success", False)):
+        return
+    if not _settings["collective"]:
         snapshot("the end of a cell")
+    elif _snapshots and _sharded_mark() == _settings["sharded_mark"]:
+        # the sharded state is as the last snapshot gathered it (a cell that did not train):
+        # that copy serves again, with fresh copies of the rest, and no collective is needed
+        _take("the end of a cell", reuse_sharded=True)
+    else:
+        # gathering is a collective, and another rank may have failed or still be in the cell:
+        # the notebook, which knows, has every rank take it at once
+        _publish_snapshot_owed()
+
+
+def _publish_snapshot_owed() -> None:
+    shell = _shell()
+    if shell is not None and channel._in_rank(shell):  # an ipyparallel rank: a notebook listens
+        from ipyparallel.datapub import publish_data
+
+        from .results import SNAPSHOT_OWED_KEY
+
+        publish_data({SNAPSHOT_OWED_KEY: True})
 
 
 def _after_batch(loader: rank_side.EpochDataLoader) -> None:
@@ -196,17 +272,25 @@ def _module(obj: torch.nn.Module) -> torch.nn.Module:
     return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
 
 
-def _capture() -> dict[str, Any]:
+def _capture(last: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of the tracked state; the sharded parts come from `last` where given (unchanged)."""
     namespace = _namespace()
     state: dict[str, Any] = {}
     for name, obj in _tracked.items():
-        if obj is _NAMESPACE:
+        if last is not None and name in last and last[name][0] in ("sharded_module", "sharded_optimizer"):
+            state[name] = last[name]
+        elif obj is _NAMESPACE:
             if name in namespace:
                 state[name] = ("value", copy.deepcopy(namespace[name]))
         elif isinstance(obj, rank_side.EpochDataLoader):
             state[name] = ("loader", obj.position_state())
+        elif _is_sharded_module(obj):
+            state[name] = ("sharded_module", _copied(_sharding().full_model_state(obj)))
         elif isinstance(obj, torch.nn.Module):
             state[name] = ("module", _copied(_module(obj).state_dict()))
+        elif name in _owners:
+            model = _tracked[_owners[name]]
+            state[name] = ("sharded_optimizer", _copied(_sharding().full_optimizer_state(model, obj)))
         else:
             state[name] = ("state_dict", _copied(obj.state_dict()))
     return state
@@ -214,9 +298,17 @@ def _capture() -> dict[str, Any]:
 
 def _apply(state: dict[str, Any]) -> None:
     namespace = _namespace()
-    for name, (kind, value) in state.items():
+    # sharded models first: sharding one again on this world gives it new parameters, which
+    # the optimizers must point at before they load their state
+    ordered = sorted(state.items(), key=lambda item: item[1][0] != "sharded_module")
+    for name, (kind, value) in ordered:
         obj = _tracked[name]
-        if kind == "value":
+        if kind == "sharded_module":
+            _reshard_if_needed(obj)
+            _sharding().load_full_model_state(obj, value)
+        elif kind == "sharded_optimizer":
+            _sharding().load_full_optimizer_state(_tracked[_owners[name]], obj, value)
+        elif kind == "value":
             namespace[name] = copy.deepcopy(value)
         elif kind == "loader":
             obj.resume_from(value)
@@ -224,6 +316,123 @@ def _apply(state: dict[str, Any]) -> None:
             _module(obj).load_state_dict(value)
         else:
             obj.load_state_dict(copy.deepcopy(value))
+
+
+def _rng() -> dict[str, Any]:
+    """This rank's generators as they are now (a few KiB)."""
+    found: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    gpu = _gpu()
+    if gpu is not None:
+        found["cuda"] = torch.cuda.get_rng_state(gpu)
+    numpy = sys.modules.get("numpy")  # only where the user's code imported it
+    if numpy is not None:
+        found["numpy"] = numpy.random.get_state()
+    return found
+
+
+def _gpu() -> torch.device | None:
+    """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
+    context = rank_side._state.get("context")
+    if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return context.device
+
+
+def _set_rng(saved: dict[str, Any]) -> None:
+    if "torch" in saved:
+        torch.set_rng_state(saved["torch"])
+    if "python" in saved:
+        random.setstate(saved["python"])
+    gpu = _gpu()
+    if "cuda" in saved and gpu is not None:
+        torch.cuda.set_rng_state(saved["cuda"], gpu)  # the sender's GPU generator onto this rank's GPU
+    if "numpy" in saved:
+        import numpy
+
+        numpy.random.set_state(saved["numpy"])
+
+
+def _sharding() -> Any:
+    from . import sharding
+
+    return sharding
+
+
+def _is_sharded_module(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj)
+
+
+def _reshardable(model: torch.nn.Module) -> bool:
+    return bool(_sharding().can_reshard(model))
+
+
+def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
+    """Optimizer name -> the name of the tracked sharded model it optimizes; its state is saved
+    whole (gathered) and loaded by parameter name, which needs the model."""
+    from torch.distributed.tensor import DTensor
+
+    models = {name: obj for name, obj in objects.items() if _is_sharded_module(obj)}
+    owners = {}
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        params = {id(p) for group in obj.param_groups for p in group["params"]}
+        if not any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"]):
+            continue
+        owner = next((model for model, m in models.items() if params & {id(p) for p in m.parameters()}), None)
+        if owner is None:
+            raise TypeError(f"'{name}' optimizes a sharded model: track that model too (track(model=..., {name}=...))")
+        owners[name] = owner
+    return owners
+
+
+def _sharded_mark() -> list[Any]:
+    """What changes when a tracked sharded model or its optimizer does: their tensors' identities,
+    storages and write counts (torch bumps them on every in-place write: a step, a load) and the
+    optimizers' hyperparameters. Comparing it costs no collective."""
+    mark: list[Any] = []
+    for name, obj in _tracked.items():
+        if _is_sharded_module(obj):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            mark.append([_version(t) for t in tensors])
+        elif name in _owners:
+            mark.append([_versions(state) for state in obj.state.values()])
+            mark.append([_versions(_hyperparameters(group)) for group in obj.param_groups])
+    return mark
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _versions(value: dict[str, Any]) -> list[Any]:
+    """A dict's values, with each tensor as its identity and write counts: cheap to compare, no copy."""
+    return [(key, _version(item) if isinstance(item, torch.Tensor) else item) for key, item in value.items()]
+
+
+def _version(tensor: torch.Tensor) -> tuple[int, int, int, int]:
+    """A tensor's identity, storage and write counts: a DTensor counts writes through it (an
+    optimizer's step), its local tensor those made to the shard directly (FSDP's own)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (id(tensor), local.data_ptr(), tensor._version, local._version)
+
+
+def _reshard_if_needed(model: torch.nn.Module) -> None:
+    """A model sharded on another number of ranks (the world was resized, or this rank replayed the
+    setup cells alone) is sharded again over the world; every optimizer that held its old
+    parameters is pointed at the new ones (their state comes with the snapshot, or is lost)."""
+    sharding = _sharding()
+    if sharding.mesh_size(model) == dist.get_world_size():
+        # a survivor's model may have been mid-step when the peer died: torch's recovery for that
+        # (on the root FSDP module; a tracked submodule of another sharded model has none to run)
+        if model._get_fsdp_state()._is_root is not False:
+            model.reset_iter_state()
+        return
+    moved = sharding.reshard(model, rank_side.context().device)
+    candidates = [obj for obj in _tracked.values() if isinstance(obj, torch.optim.Optimizer)]
+    candidates += [value for value in _namespace().values() if isinstance(value, torch.optim.Optimizer)]
+    for optimizer in {id(o): o for o in candidates}.values():
+        sharding.repoint(optimizer, moved)
 
 
 def _copied(value: Any) -> Any:
@@ -237,11 +446,16 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the tensors in `value`, each counted once (snapshots share unchanged sharded parts)."""
+    seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
+        return sum(_tensor_bytes(item, seen) for item in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
+        return sum(_tensor_bytes(item, seen) for item in value)
     return 0

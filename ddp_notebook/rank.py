@@ -499,7 +499,14 @@ class EpochDataLoader(DataLoader):
             sampler.skip = self._start
         self.epoch += 1
         self.position, self.in_epoch = 0, True
-        return self._counted(timing.TimedBatches(super().__iter__()))
+        if not self._start:
+            return self._counted(timing.TimedBatches(super().__iter__()))
+        # a resumed epoch: its first start drew the workers' base seed from torch's generator
+        # already, before the snapshot that brought the world back; drawing again would shift
+        # every random number after it (dropout masks) against an uninterrupted run
+        with torch.random.fork_rng(devices=[]):
+            batches = super().__iter__()
+        return self._counted(timing.TimedBatches(batches))
 
     def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:

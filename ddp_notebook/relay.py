@@ -21,7 +21,7 @@ from .errors import RankFailure, one_line
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
-from .results import CellResult, MemoryReading
+from .results import SNAPSHOT_OWED_KEY, CellResult, MemoryReading
 from .xray import Mismatch, MismatchWatch, RankCollectives
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
@@ -409,7 +409,10 @@ class CellRelay:
             self._displays.clear(item[1])
         elif kind == "data":
             _, rank, payload = item
-            sink.data(rank, payload)
+            if SNAPSHOT_OWED_KEY in payload:  # ours, read after the cell (snapshot_owed)
+                payload = {key: value for key, value in payload.items() if key != SNAPSHOT_OWED_KEY}
+            if payload:
+                sink.data(rank, payload)
         elif kind == "idle":
             self._idle.add(item[1])
         return kind == "replied"
@@ -431,6 +434,15 @@ class CellRelay:
     def unfinished(self) -> tuple[int, ...]:
         ar = self._async_result
         return tuple(rank for rank, future in zip(self._ranks, message_futures(ar)) if not future.done())
+
+    def snapshot_owed(self) -> bool:
+        """Whether every rank of the cell asked for a collective end-of-cell snapshot (it tracks a
+        sharded model and its cell succeeded). Read from ipyparallel's merge of the published data:
+        no message of its own."""
+        futures = message_futures(self._async_result)
+        return bool(futures) and all(
+            future.done() and (future.output.metadata.get("data") or {}).get(SNAPSHOT_OWED_KEY) for future in futures
+        )
 
     def values(self) -> dict[int, dict[str, Any]]:
         values = {}

@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# what a rank publishes (ipyparallel's publish_data) when its cell succeeded and the end-of-cell
+# snapshot of its tracked state is a collective (a sharded model): the notebook then has every
+# rank take it at once (rank_calls.take_snapshot; see elastic.py)
+SNAPSHOT_OWED_KEY = "ddp_notebook_snapshot_owed"
+
 
 @dataclass(frozen=True)
 class RankInfo:

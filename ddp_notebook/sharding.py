@@ -14,17 +14,26 @@ and its sub-meshes are held by DTensors, by FSDP's mesh infos and by the user's 
 plans; rebuilding them means a collective `new_group` per slice and finding every holder. One
 missed holder leaves a model half on the dead group, which hangs or fails in its next collective,
 so such models are named at the heal instead, to be sharded again.
+
+`shard_model` also keeps a recipe of what it did (the unsharded structure on the meta device, the
+blocks' names, the options): a tracked model (elastic.py) is sharded again from it when the world
+it must span has another size (`reshard`), and its state is gathered and loaded whole through
+`torch.distributed.checkpoint.state_dict` (`full_model_state`, `load_full_model_state`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _composable_state
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -82,7 +91,11 @@ def shard_model(
         return model
     model = model.to(device)
     mesh = mesh if mesh is not None else world_mesh(device)
-    for block in default_blocks(model) if blocks is None else blocks:
+    chosen = list(default_blocks(model) if blocks is None else blocks)
+    names = {id(module): name for name, module in model.named_modules()}
+    if mesh.ndim == 1 and all(id(block) in names for block in chosen):  # it can be sharded again (reshard)
+        _keep_recipe(model, [names[id(b)] for b in chosen], fully_shard_kwargs)
+    for block in chosen:
         fully_shard(block, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return model
@@ -212,3 +225,140 @@ def regroup(modules: Iterable[FSDPModule], group: dist.ProcessGroup, registered:
         if hasattr(info, "replicate_process_group"):
             info.replicate_process_group = group
     return skipped
+
+
+# ------------------------------------------------------------------------------- reshard (elastic)
+
+
+@dataclasses.dataclass
+class _Recipe:
+    """How `shard_model` sharded a model: enough to shard it again on another mesh."""
+
+    template: torch.nn.Module  # the unsharded model on the meta device (no memory)
+    blocks: list[str]  # names of the blocks sharded before the root
+    kwargs: dict[str, Any]  # fully_shard's other options
+
+
+# model -> its recipe; weak, so a dropped model takes its recipe with it
+_recipes: weakref.WeakKeyDictionary[torch.nn.Module, _Recipe] = weakref.WeakKeyDictionary()
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model`'s structure whose tensors are on the meta device (copying no values)."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = buffer.detach().to("meta")
+    return copy.deepcopy(model, memo)
+
+
+def _keep_recipe(model: torch.nn.Module, blocks: list[str], kwargs: dict[str, Any]) -> None:
+    try:
+        template = _meta_copy(model)
+    except Exception:  # noqa: BLE001  (a model deepcopy cannot copy shards as before; track() then refuses it)
+        return
+    _recipes[model] = _Recipe(template, blocks, dict(kwargs))
+
+
+def can_reshard(model: torch.nn.Module) -> bool:
+    """True for a model sharded by `shard_model` on a one-dimensional mesh."""
+    return model in _recipes
+
+
+def mesh_size(model: torch.nn.Module) -> int:
+    """The number of ranks `model`'s parameters are sharded over."""
+    for param in model.parameters():
+        if isinstance(param, torch.distributed.tensor.DTensor):
+            return int(param.device_mesh.size())
+    return 1
+
+
+def reshard(model: torch.nn.Module, device: torch.device) -> dict[int, torch.nn.Parameter]:
+    """Shard `model` again, in place, over the current world (whose size its mesh no longer has).
+
+    FSDP2 cannot move a sharded parameter to a mesh of another size, so the model is built
+    again from its recipe (on the meta device, then empty on `device`), sharded over the world,
+    and `model` takes over the new one's state: the object the user's names hold stays the same.
+    Parameter VALUES are left undefined (load a full state dict next); buffers are copied.
+    Returns id(old parameter) -> new parameter, to point optimizers at the new ones.
+    """
+    recipe = _recipes[model]
+    old = dict(model.named_parameters())
+    fresh = copy.deepcopy(recipe.template).to_empty(device=device)
+    buffers = dict(fresh.named_buffers())
+    with torch.no_grad():  # non-persistent buffers are in no state dict: keep this rank's
+        for name, buffer in model.named_buffers():
+            buffers[name].copy_(buffer)
+    blocks = [fresh.get_submodule(name) for name in recipe.blocks]
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)  # no collective: the group exists
+    shard_model(fresh, device, blocks=blocks, mesh=mesh, **recipe.kwargs)
+    del _recipes[fresh]
+    # the user's object becomes the new model: same class, one shared attribute dict
+    model.__class__ = fresh.__class__
+    model.__dict__ = fresh.__dict__
+    # torch finds a module's FSDP state by the module object: give `model` the new one's
+    states = _composable_state._module_state_mapping
+    states[model] = states[fresh]
+    new = dict(model.named_parameters())
+    return {id(param): new[name] for name, param in old.items()}
+
+
+def repoint(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> bool:
+    """Point `optimizer` at the new parameters of a resharded model; its state for them is dropped
+    (it was sharded on the old mesh). Returns whether it held any of them."""
+    held = False
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if any(id(p) in moved for p in params):
+            held = True
+            for param in params:
+                optimizer.state.pop(param, None)
+            group["params"] = [moved.get(id(p), p) for p in params]
+    return held
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The whole (unsharded) state dict of a sharded model, on every rank. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # not cpu_offload: with it only rank 0 gets the state; the caller copies it to the CPU
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole state of an optimizer over a sharded model, keyed by parameter name. A collective.
+
+    An optimizer that has not stepped yet is described by its hyperparameters alone:
+    torch would initialise its state with a step at lr=0, which changes Adam's step count.
+    """
+    if not optimizer.state:
+        return {"state": {}, "param_groups": _hyperparameters(optimizer)}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a whole state dict into a sharded model: each rank keeps its slice (any world size)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # a copy: torch puts the distributed tensors into the dict it is given
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load what `full_optimizer_state` took into an optimizer over `model`, sharded on this world."""
+    if not state["state"]:
+        optimizer.state.clear()
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            group.update(copy.deepcopy(saved))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, copy.deepcopy(state), options=options)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]

@@ -18,14 +18,19 @@ pytestmark = pytest.mark.integration
 SAMPLES, EPOCHS = 64, 2
 
 # the model, data and optimizer of both runs; {p} prefixes the names so that the reference
-# run and the tracked run share one world without touching each other's state
+# run and the tracked run share one world without touching each other's state; {wrap} is
+# prepare_model (DDP) or shard_model (FSDP2: the inner Sequential's two Linear layers are
+# sharded one by one, then the root); {drop} is the dropout's probability (its masks come from
+# torch's generator, which a snapshot keeps)
 BUILD = """
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 torch.manual_seed(0)
 {p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
-{p}net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-{p}model = ddp_notebook.prepare_model({p}net)
+{p}net = torch.nn.Sequential(
+    torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout({drop}), torch.nn.Linear(8, 1))
+)
+{p}model = ddp_notebook.{wrap}({p}net)
 {p}opt = torch.optim.SGD({p}model.parameters(), lr=0.05, momentum=0.9)
 {p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
 {p}step = 0
@@ -37,18 +42,22 @@ TRAIN = """
 import os, signal
 while {p}loader.epoch < {epochs}:
     for x, y, ids in {p}loader:
-        if rank == KILL_RANK and {p}step == KILL_AT:
-            os.kill(os.getpid(), signal.SIGKILL)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, ids.tolist())
         {p}seen.append(sum(gathered, []))
+        if rank == KILL_RANK and {p}step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are then in the step's first collective
         loss = torch.nn.functional.mse_loss({p}model(x), y)
         {p}opt.zero_grad()
         loss.backward()
         {p}opt.step()
         {p}step += 1
 """
-PARAMS = "[p.detach().clone() for p in {p}model.parameters()]"
+# the whole parameters (a sharded one is gathered: every rank runs this)
+PARAMS = "[getattr(p, 'full_tensor', p.detach)().detach().clone() for p in {p}model.parameters()]"
+DDP, FSDP = "prepare_model", "shard_model"
+DROP = 0.5  # the comeback tests train with dropout: a rank brought back needs the generator's state too
+KILL = "import os, signal\nif rank == {rank}:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()"
 
 
 def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1, epochs: int = EPOCHS) -> None:
@@ -59,6 +68,29 @@ def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -
 def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
     world.execute(f"params_now = {PARAMS.format(p=prefix)}")
     return world.pull("params_now")
+
+
+def _build(prefix: str, wrap: str, drop: float) -> str:
+    return BUILD.format(p=prefix, n=SAMPLES, wrap=wrap, drop=drop)
+
+
+def _reference(world: DDPCluster, wrap: str) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The same training, uninterrupted, in this world: its final parameters and sample log."""
+    world.execute(_build("ref_", wrap, DROP))
+    _train(world, "ref_")
+    reference = _params(world, "ref_")
+    assert _bitwise_equal(reference[0], reference[1])
+    return reference[0], world.pull("ref_seen", ranks=[0])[0]
+
+
+def _ends_like(world: DDPCluster, reference: list[torch.Tensor], reference_seen: list[list[int]]) -> None:
+    """Every rank's parameters are bitwise the reference's; each sample was used once an epoch."""
+    params = _params(world, "")
+    for rank in range(world.world_size):
+        assert _bitwise_equal(params[rank], reference), f"rank {rank} differs from the uninterrupted run"
+    seen = world.pull("seen")
+    assert all(log == reference_seen for log in seen.values())
+    _each_sample_once_per_epoch(seen[0])
 
 
 def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -75,14 +107,8 @@ def _each_sample_once_per_epoch(seen: list[list[int]]) -> None:
 
 def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
     with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
-        # the reference: the same training, uninterrupted, in this world
-        world.execute(BUILD.format(p="ref_", n=SAMPLES))
-        _train(world, "ref_")
-        reference = _params(world, "ref_")
-        reference_seen = world.pull("ref_seen", ranks=[0])[0]
-        assert _bitwise_equal(reference[0], reference[1])
-
-        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        reference, reference_seen = _reference(world, DDP)
+        world.execute(_build("", DDP, DROP) + TRACK, setup=True)
         world.execute("untracked = 'kept'")
         survivor_pid = world.ranks[0].pid
         # rank 1 dies mid-epoch (epoch 1, step 11 of 16); the world is back without any call
@@ -100,28 +126,59 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
         assert world.pull("data", ranks=[1])[1] is not None
 
         _train(world, "")  # the same cell again continues from the snapshot
+        _ends_like(world, reference, reference_seen)
         params = _params(world, "")
-        for rank in (0, 1):
-            assert _bitwise_equal(params[rank], reference[0]), f"rank {rank} differs from the uninterrupted run"
-        seen = world.pull("seen")
-        assert seen[0] == seen[1] == reference_seen
-        _each_sample_once_per_epoch(seen[0])
 
         # rank 0 holds the rendezvous: it comes back too, and the end-of-cell snapshot is restored
         with pytest.raises(
             RankDiedError, match=r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
         ):
-            world.execute("import os, signal\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+            world.execute(KILL.format(rank=0))
         after = _params(world, "")
         assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
         assert world.execute("dist.get_world_size()", stream=False).value_text(0) == "2"
 
         # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
         with pytest.raises(RankDiedError, match=r"rank 1 was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"):
-            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+            world.execute(KILL.format(rank=1))
         assert world.state == "broken"
         with pytest.raises(WorldBrokenError):
             world.execute("1")
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
+    """The same for an FSDP2 model: the new rank replays the setup cells alone (a one-rank mesh),
+    is sharded again over the world, and every rank loads the gathered snapshot."""
+    with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
+        reference, reference_seen = _reference(world, FSDP)
+        world.execute(_build("", FSDP, DROP) + TRACK, setup=True)
+        # the end of the setup cell was snapshotted on every rank at once, by the notebook
+        world.execute("from ddp_notebook import elastic\nkept = [s.where for s in elastic._snapshots]")
+        assert world.pull("kept") == {0: ["the end of a cell"], 1: ["the end of a cell"]}
+        # a cell that left the model and optimizer as they were: each rank snapshots alone, reusing the gathered copy
+        world.execute("reused = elastic._snapshots[-1].state['model'] is elastic._snapshots[-2].state['model']")
+        assert world.pull("reused") == {0: True, 1: True}
+        numbers = world.execute("elastic.snapshot_numbers()", stream=False)
+        assert numbers.value_text(0) == numbers.value_text(1) == "[2, 3]"
+        back = r"^rank 1 was killed by SIGKILL\. Rank 1 came back in .*the snapshot taken at epoch 1, batch 3"
+        with pytest.raises(RankDiedError, match=back):
+            _train(world, "", kill_rank=1, kill_at=11)
+        assert world.state == "healthy" and world.pull("step") == {0: 11, 1: 11}
+        _spans_the_world(world, FSDP)
+
+        _train(world, "")  # the same cell again continues from the snapshot
+        _ends_like(world, reference, reference_seen)
+        params = _params(world, "")
+
+        # rank 0 comes back too, to the snapshot the notebook took at the end of the last cell
+        back = r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
+        with pytest.raises(RankDiedError, match=back):
+            world.execute(KILL.format(rank=0))
+        after = _params(world, "")
+        assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
+        _spans_the_world(world, FSDP)
         pids = world.all_pids
     assert wait_gone(pids) == []
 
@@ -140,7 +197,7 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
         assert time.monotonic() - began < 60 and world.state == "healthy"
         trap.write_text("")
         with pytest.raises(RankDiedError) as caught:
-            world.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()")
+            world.execute(KILL.format(rank=1))
         assert str(caught.value) == (
             "rank 1 was killed by SIGKILL. bringing it back failed: the new rank 1 was killed by SIGKILL in setup "
             "cell 1 of 1; its state is lost; %ddp_restart (or restart()) starts a full world again"
@@ -150,9 +207,43 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
     assert wait_gone(pids) == []
 
 
-def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> None:
+def _trained_in_one_process(seen: list[list[int]]) -> list[torch.Tensor]:
+    """The parameters one process gets from the same steps, each on the samples all ranks used in it
+    (every rank's batch has as many samples, so the world's mean gradient is this batch's)."""
+    torch.manual_seed(0)  # as BUILD does
+    x, y = torch.randn(SAMPLES, 4), torch.randn(SAMPLES, 1)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))  # no dropout (0.0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for ids in seen:
+        loss = torch.nn.functional.mse_loss(net(x[ids]), y[ids])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+# how the model spans the world on a rank: the group (DDP) or mesh (FSDP2) size, its FSDP units,
+# and whether the optimizer holds the model's parameter objects
+SPAN = """
+from torch.distributed.fsdp import FSDPModule
+units = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+span = {p.device_mesh.size() for p in model.parameters()}.pop() if units else model.process_group.size()
+optimizes_model = [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+"""
+
+
+def _spans_the_world(world: DDPCluster, wrap: str) -> None:
+    world.execute(SPAN)
+    everyone = range(world.world_size)
+    assert world.pull("span") == {rank: world.world_size for rank in everyone}
+    assert world.pull("units") == {rank: ["", "0.0", "0.3"] if wrap == FSDP else [] for rank in everyone}
+    assert world.pull("optimizes_model") == {rank: True for rank in everyone}
+
+
+@pytest.mark.parametrize("wrap", [DDP, FSDP])
+def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None, wrap: str) -> None:
     with DDPCluster(2, backend="gloo", timeout=60) as world:
-        world.execute(BUILD.format(p="", n=SAMPLES) + TRACK, setup=True)
+        world.execute(_build("", wrap, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
         _train(world, "")  # two epochs at 2 ranks
         before = _params(world, "")
@@ -168,7 +259,7 @@ def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> Non
         grown = _params(world, "")
         for rank in (0, 1, 2):
             assert _bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
-        world.execute("print(type(data).__name__, len(loader.sampler), model.process_group.size())", ranks=[2])
+        _spans_the_world(world, wrap)
 
         # a third epoch at 3 ranks: every sample once (64 over 3 ranks: 2 repeated to even the shards)
         _train(world, "", epochs=3)
@@ -190,6 +281,10 @@ def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None) -> Non
         assert fourth == list(range(SAMPLES))
         after = _params(world, "")
         assert _bitwise_equal(after[0], after[1]) and not _bitwise_equal(after[0], grown[0])
+        _spans_the_world(world, wrap)
+        # momentum and position carried through both resizes: as one process on the same samples
+        for got, expected in zip(after[0], _trained_in_one_process(seen[0])):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         pids = world.all_pids
     assert wait_gone(pids) == []
 
@@ -200,15 +295,21 @@ def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
 
 
 def test_what_cannot_be_tracked_is_refused_with_one_line(world: DDPCluster) -> None:
-    sharded = "sharded = ddp_notebook.shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))"
+    # a sharded model is tracked when shard_model made it (it can be sharded again on another
+    # world size: test_a_killed_rank_of_a_sharded_model...); fully_shard called directly is not
+    direct = "from torch.distributed.fsdp import fully_shard\ndirect = fully_shard(torch.nn.Linear(2, 2))"
+    sharded = "sharded = ddp_notebook.shard_model(torch.nn.Linear(2, 2))\nopt = torch.optim.SGD(sharded.parameters())"
     try:
-        with pytest.raises(RankError, match=r"'sharded' is sharded \(FSDP2\): tracking sharded models is not"):
-            world.execute(f"{sharded}\nddp_notebook.track(sharded=sharded)")
+        refused = r"'direct' cannot be sharded again .*fully_shard directly.*: shard it with ddp_notebook\.shard_model"
+        with pytest.raises(RankError, match=refused):
+            world.execute(f"{direct}\nddp_notebook.track(direct=direct)")
+        with pytest.raises(RankError, match=r"'opt' optimizes a sharded model: track that model too"):
+            world.execute(f"{sharded}\nddp_notebook.track(opt=opt)")
         plain = "plain = torch.utils.data.DataLoader(list(range(4)))\nddp_notebook.track(plain=plain)"
         with pytest.raises(RankError, match=r"track a loader made by ddp_notebook\.prepare_loader"):
             world.execute(plain)
     finally:
-        world.execute("sharded = plain = None")  # the shared world's later heals need not move it
+        world.execute("direct = sharded = opt = plain = None")  # the shared world's later heals need not move them
     assert world.execute("from ddp_notebook import elastic\nelastic.tracked()", stream=False).value_text(0) == "[]"
 
 
@@ -245,6 +346,18 @@ def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
     for sampler in (loader.sampler for loader in loaders):
         sampler.set_epoch(0)
     assert [list(loader.sampler) for loader in loaders] == reference
+
+
+def test_a_resumed_epoch_draws_nothing_from_torchs_generator() -> None:
+    # an epoch's start draws the workers' base seed; a resumed one drew it before its snapshot
+    (loader,) = _loaders(TensorDataset(torch.arange(20)), 1)
+    _use([loader], 2, [])
+    loader.resume_from(loader.position_state())
+    before = torch.get_rng_state()
+    iter(loader)
+    assert torch.equal(torch.get_rng_state(), before)
+    iter(loader)  # the next epoch, from its start, draws as any DataLoader does
+    assert not torch.equal(torch.get_rng_state(), before)
 
 
 def test_a_resized_world_deals_the_rest_of_the_epoch_over_the_new_ranks() -> None:
