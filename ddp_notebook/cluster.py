@@ -358,6 +358,9 @@ class DDPCluster:
         relay = CellRelay(self._provisioner.client, targets)
         result = CellResult(ranks=targets)
         view = self._view(tuple(self._ranks[r].engine_id for r in targets))
+        if len(targets) != self.world_size:
+            # queued ahead of the cell on the same ranks, so no round trip is waited for
+            view.apply_async(rank_calls.skip_cell_snapshot)
         relay.attach(view.execute(code, silent=False, block=False))
         # the live view shows the ranks' memory and collective X-ray too; a caller's own on_data
         # gets rank data only

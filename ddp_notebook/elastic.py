@@ -66,6 +66,7 @@ _settings: dict[str, Any] = {
     "hooked": False,
     "collective": False,
     "sharded_mark": None,  # _sharded_mark() when the sharded state was last copied
+    "skip_cell": False,  # the running cell runs on some ranks only: no snapshot at its end
 }
 _owners: dict[str, str] = {}  # name of a tracked optimizer over a sharded model -> name of that model
 _NAMESPACE = object()
@@ -238,8 +239,16 @@ def _namespace() -> dict[str, Any]:
     return shell.user_ns if shell is not None else {}
 
 
+def skip_cell_snapshot() -> None:
+    """The next cell runs on some ranks only: its end is no point of the whole world, so it takes
+    no snapshot there (a snapshot's number must mean the same point on every rank, or survivors
+    of a later death hold none in common)."""
+    _settings["skip_cell"] = True
+
+
 def _after_cell(result: Any) -> None:
-    if not (_tracked and getattr(result, "success", False)):
+    skip, _settings["skip_cell"] = _settings.get("skip_cell", False), False
+    if skip or not (_tracked and getattr(result, "success", False)):
         return
     if not _settings["collective"]:
         snapshot("the end of a cell")

@@ -171,6 +171,16 @@ def rewrap_models(names: list[str]) -> None:
     elastic.rewrap_models(names)
 
 
+def skip_cell_snapshot() -> None:
+    """Sent ahead of a cell that runs on some ranks only (it is queued before the cell): that
+    cell's end takes no snapshot of the tracked state."""
+    import sys
+
+    elastic = sys.modules.get("ddp_notebook.elastic")  # never imported: nothing tracked
+    if elastic is not None:
+        elastic.skip_cell_snapshot()
+
+
 def take_snapshot(where: str) -> int | None:
     """A snapshot of the tracked state now; None where nothing is tracked."""
     import sys
