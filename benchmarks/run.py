@@ -55,6 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--calls", type=int, default=200_000, help="logging: log() calls per timing (default: 200000)")
     add("--block", type=int, default=25, help="logging, seeing: training steps per block (default: 25)")
     add("--blocks", type=int, default=60, help="logging, seeing: blocks of each kind per cell (default: 60)")
+    add("--sharded", action="store_true", help="elastic: the model sharded with FSDP2 (shard_model), not DDP")
     add("--markdown", type=Path, default=RESULTS / "peers.md", help="peers: the table (default: %(default)s)")
     return parser
 

@@ -99,7 +99,7 @@ import time, json, torch
 from torch.utils.data import TensorDataset
 torch.manual_seed(0)
 data = TensorDataset(torch.randn(16384, 64), torch.randint(0, 10, (16384,)))
-model = ddp_notebook.prepare_model(torch.nn.Sequential(
+model = ddp_notebook.@WRAP@(torch.nn.Sequential(
     torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 loader = ddp_notebook.prepare_loader(data, batch_size=64)
@@ -148,7 +148,7 @@ if rank == 1:
 dist.barrier()
 """
 ELASTIC_CHECK = """
-now = [p.detach() for p in model.parameters()]
+now = [getattr(p, "full_tensor", p.detach)().detach() for p in model.parameters()]
 reference = [t.clone() for t in now]
 for t in reference:
     dist.broadcast(t, src=0)
@@ -700,7 +700,10 @@ class Elastic(Scenario):
         world = subject.world  # type: ignore[attr-defined]
         if not hasattr(world, "resize"):
             raise Unsupported("this ddp_notebook has no comeback (ddp_notebook.track)")
-        world.execute(ELASTIC_SETUP, setup=True, stream=False)
+        # --sharded: FSDP2, whose snapshots gather the whole model (a collective every rank takes)
+        wrap = "shard_model" if run.s.sharded else "prepare_model"
+        world.execute(ELASTIC_SETUP.replace("@WRAP@", wrap), setup=True, stream=False)
+        notes["model"] = wrap
         template = getattr(world.provisioner, "template", None)
         if template is not None and template.pid:
             from ddp_notebook import devices
@@ -769,8 +772,10 @@ class Elastic(Scenario):
         headers = ["subject", "death->ready s", "comeback s", "snapshot ms", "snapshot %", "tracked/plain %"]
         headers += ["snapshots MiB/rank", "grow s", "shrink s"]
         print_table([*headers, "step ms", "state ok"], rows)
+        model = "FSDP2 (shard_model)" if s.sharded else "DDP (prepare_model)"
         print(
-            f"median of {s.repeats} rounds; snapshot %: one snapshot over the K steps it covers (K = the default "
+            f"{model}; median of {s.repeats} rounds; snapshot %: one snapshot over the K steps it covers "
+            "(K = the default "
             f"{rows and summary[rows[0][0]]['every']}); tracked/plain %: the same steps through the tracked loader "
             "(snapshots included) against an untracked one, alternating blocks"
         )
