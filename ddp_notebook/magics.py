@@ -211,7 +211,6 @@ class DDPMagics(Magics):
         world.recorder = self.recorder
         _start_and_summarize(world, world.start)
         self.world, self.owns_world = world, True
-        _preload_widgets()
 
     def adopt(self, world: DDPCluster) -> None:
         """Drive `world` (built in Python) from now on: `world.activate()`."""
@@ -402,6 +401,7 @@ def load(ipython: Any) -> None:
         ipython.register_magics(DDPMagics(ipython))
     # torch imported in the background while the user reads on: %ddp_start forks ranks from it
     spare.start_spare()
+    _preload_widgets()  # once this cell has run, between cells
 
 
 def unload(ipython: Any) -> None:

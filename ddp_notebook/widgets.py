@@ -16,7 +16,6 @@ import copy
 import html
 import math
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -45,21 +44,30 @@ def widget_frontend() -> bool:
 
 
 def preload() -> None:
-    """Import plotly's FigureWidget in the background where widgets will be shown.
+    """Import what the live view needs (ipywidgets, plotly's FigureWidget) as soon as the kernel
+    is idle, where widgets will be shown.
 
-    Its first import takes over a second (anywidget, and nbformat's schema checker through
-    plotly's renderers): done once a world has started, the first curves of a cell appear at
-    once instead of that late. Not while the world starts: the import holds the GIL the
-    start needs (it made `%ddp_start` 0.6 s slower).
+    The first import takes over a second (anywidget, and nbformat's schema checker through
+    plotly's renderers): done between cells, the first live view of a cell appears at once
+    instead of that late. It runs on the kernel's own thread, never beside a cell: an import on
+    another thread races the user's imports of the same packages (a half-initialised module),
+    and holds the GIL a starting world needs.
     """
-    if widget_frontend():
-        threading.Thread(target=_import_widgets, name="ddp-preload-widgets", daemon=True).start()
+    if not widget_frontend() or "plotly.graph_objs._figurewidget" in sys.modules:
+        return
+    from IPython import get_ipython
+
+    loop = getattr(getattr(get_ipython(), "kernel", None), "io_loop", None)
+    if loop is not None:
+        loop.add_callback(_import_widgets)
 
 
 def _import_widgets() -> None:
     try:
         import ipywidgets  # noqa: F401
-        from plotly.graph_objs import FigureWidget  # noqa: F401
+        import plotly.graph_objects as go
+
+        go.FigureWidget  # noqa: B018  (plotly imports it on first use)
     except Exception:  # noqa: BLE001  (the live view reports it when it is made)
         pass
 
@@ -289,6 +297,7 @@ class LiveView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import ipywidgets as widgets
+        import plotly.graph_objects as go
 
         self._curve_seconds = curve_seconds
         self._clock = clock
@@ -297,7 +306,17 @@ class LiveView:
         self._live_budget = live_budget
         self.header = widgets.HTML()
         self.bars = widgets.VBox()
-        self._figure: Any = None
+        # made with the view, though its curves come later: plotly.js must be loaded in the browser
+        # before the first update reaches it (an update sent earlier is lost)
+        self.figure = go.FigureWidget(
+            layout={
+                "height": 300,
+                "margin": {"l": 60, "r": 20, "t": 30, "b": 40},
+                "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
+                "hovermode": "x unified",
+                "template": "plotly_white",
+            }
+        )
         self.smoothing = widgets.FloatSlider(
             value=0.0, min=0.0, max=0.99, step=0.01, description="smoothing", readout_format=".2f"
         )
@@ -324,24 +343,6 @@ class LiveView:
         from IPython.display import display
 
         display(self.widget)
-
-    @property
-    def figure(self) -> Any:
-        """The curves' FigureWidget, made when the first metric arrives: a progress-only cell
-        never imports plotly, whose first import takes about a second."""
-        if self._figure is None:
-            import plotly.graph_objects as go
-
-            self._figure = go.FigureWidget(
-                layout={
-                    "height": 300,
-                    "margin": {"l": 60, "r": 20, "t": 30, "b": 40},
-                    "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0},
-                    "hovermode": "x unified",
-                    "template": "plotly_white",
-                }
-            )
-        return self._figure
 
     def draw(self, feed: Feed, final: bool) -> None:
         self._feed, self._final = feed, final

@@ -97,7 +97,12 @@ def test_load_ext_starts_a_template_that_ddp_stop_and_the_kernels_death_end(kern
     assert error is None and out.split()[0] == "True", out
     template_pid = int(out.split()[-1])
     assert pid_alive(template_pid)
-    assert "'torch'" not in kernel.run("import sys; print(sorted(sys.modules))")[0]  # the kernel never imports it
+    modules, _ = kernel.run("import sys, threading; print(sorted(sys.modules))")
+    assert "'torch'" not in modules  # the kernel never imports it
+    # the live view's imports ran once the cell was over, on the kernel's own thread (no thread
+    # of ours imports beside the user's cells)
+    assert "'plotly.graph_objs._figurewidget'" in modules and "'ipywidgets'" in modules
+    assert "ddp-preload" not in kernel.run("print(threading.enumerate())")[0]
     out, error = kernel.run("%ddp_stop")
     assert error is None and "nothing to stop" in out
     assert wait_gone([template_pid]) == []
