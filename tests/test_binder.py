@@ -176,7 +176,9 @@ def run_notebooks(argv: list[str]) -> int:
             for process in me.children(recursive=True):
                 try:
                     total += process.memory_full_info().pss
-                    if process.pid not in seen:
+                    # looked at again while "other": a process seen between its fork and its exec
+                    # still shows its parent's command line
+                    if seen.get(process.pid, {}).get("role", "other") == "other":
                         argv = process.cmdline()
                         role = "other"
                         if "ipykernel_launcher" in argv:
