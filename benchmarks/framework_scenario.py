@@ -4,7 +4,9 @@ in `%%ddp` cells of a real kernel, each paired with the same code under torchrun
 Each round trains with one framework on both sides, one cell each (under torchrun: one job,
 `train_workload.py --exec`); the framework changes every round, in turn, and which side goes first
 alternates (the harness's pairing), so the two runs of a pair are seconds apart on a machine whose
-load changes by the minute. Ratios are per round: `%%ddp` over torchrun, then per framework.
+load changes by the minute. Ratios are per round: `%%ddp` over torchrun, then per framework. A
+second table gives rank 0's process CPU time per step over the same steps, which other work on the
+machine moves far less than steps/s.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from harness import BENCH_DIR, fmt, print_table, stats
 from scenarios import Run, Scenario, paired, ratio_text
-from subjects import RESULT_LINE, TRAIN_TIMEOUT, Subject
+from subjects import ON_PATH, RESULT_LINE, TRAIN_TIMEOUT, Subject
 
 NAMES = ("lightning", "accelerate", "hf_trainer", "fsdp2", "ddp")
 LABELS = {
@@ -25,7 +27,7 @@ LABELS = {
     "ddp": "plain DDP (the `training` scenario's loop)",
 }
 CELL = (
-    "import json, sys, torch\n{threads}sys.path.insert(0, {bench!r})\nimport framework_workload\n"
+    "import json, sys, torch\n{threads}" + ON_PATH + "import framework_workload\n"
     "result = framework_workload.run({names!r}, {steps}, {warmup})\n"
     'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(result), flush=True)'
 )
@@ -70,15 +72,21 @@ class Frameworks(Scenario):
         self.calls[subject.name] = turn + 1
         framework = NAMES[turn % len(NAMES)]  # the same on both sides of a round
         result = self.run_cell(subject, run, [framework])
-        rate = result["steps_per_s"][framework]
-        return {"framework": framework, "steps_per_s": rate, "torch_threads": result["torch_threads"]}
+        rate, cpu = result["steps_per_s"][framework], result["cpu_ms_per_step"][framework]
+        return {
+            "framework": framework,
+            "steps_per_s": rate,
+            "cpu_ms_per_step": cpu,
+            "torch_threads": result["torch_threads"],
+        }
 
     def brief(self, sample: dict[str, Any]) -> str:
-        return f"{sample['framework']} {sample['steps_per_s']:.1f} steps/s ({sample['torch_threads']} thread(s))"
+        rate, cpu, threads = sample["steps_per_s"], sample["cpu_ms_per_step"], sample["torch_threads"]
+        return f"{sample['framework']} {rate:.1f} steps/s, {cpu:.2f} CPU ms/step ({threads} thread(s))"
 
     def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
         summary: dict[str, Any] = {}
-        rows = []
+        rows, cpu_rows = [], []
         ours = next((n for n in results if n != "torchrun"), None)
         everything: list[float] = []
         for framework in NAMES:
@@ -94,9 +102,18 @@ class Frameworks(Scenario):
             entry |= {"ratio": stats(ratios), "ratio_of_medians": of_medians}
             summary[framework] = entry
             rows.append([LABELS[framework], mine, theirs, ratio_text(ratios), fmt(of_medians, 3), len(ratios)])
-        print_table(
-            ["steps/s, median", "%%ddp", "torchrun", "x torchrun: pairs' median (range)", "of medians", "pairs"], rows
-        )
+            cpu = {name: stats([x["cpu_ms_per_step"] for x in only[name]["samples"]]) for name in only}
+            cpu_ratios = paired(only, ours, "torchrun", lambda x: x["cpu_ms_per_step"]) if ours else []
+            mine, theirs = cpu.get(ours or "", {}).get("median"), cpu.get("torchrun", {}).get("median")
+            cpu_of_medians = mine / theirs if mine and theirs else None
+            entry["cpu_ms_per_step"] = cpu | {"ratio": stats(cpu_ratios), "ratio_of_medians": cpu_of_medians}
+            cpu_rows.append(
+                [LABELS[framework], mine, theirs, ratio_text(cpu_ratios), fmt(cpu_of_medians, 3), len(cpu_ratios)]
+            )
+        header = ["x torchrun: pairs' median (range)", "of medians", "pairs"]
+        print_table(["steps/s, median", "%%ddp", "torchrun", *header], rows)
+        print()
+        print_table(["rank 0 CPU ms/step, median", "%%ddp", "torchrun", *header], cpu_rows)
         threads = {name: sorted({x["torch_threads"] for x in entry["samples"]}) for name, entry in results.items()}
         print(f"torch threads per rank: {threads}; {s.steps} timed steps after {s.warmup} untimed per run")
         summary["threads"] = threads

@@ -4,7 +4,9 @@ Every framework trains `train_workload`'s MLP (64 -> 512 -> 512 -> 10, batch 64 
 the same synthetic rows, the way its user would write it; only the clock is added. The clock
 starts when every rank reaches step `warmup` and stops when every rank finished step
 `warmup + steps` (a barrier at each end), so rank 0's time covers all ranks' work, and
-set-up, imports and the frameworks' first steps are not timed.
+set-up, imports and the frameworks' first steps are not timed. Over the same span it reads the
+CPU time of rank 0's whole process (all its threads), which the load of other work on the
+machine moves far less than the wall-clock time.
 
 Under `%%ddp` and under torchrun (`train_workload.py --exec`) alike:
 
@@ -62,28 +64,33 @@ class _Rows(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.labels[i]}
 
 
+# (wall-clock seconds, this rank's process CPU seconds) of the timed steps
+Span = tuple[float, float]
+
+
 class _Clock:
-    """Seconds between every rank reaching the first timed step and every rank finishing the last."""
+    """Seconds between every rank reaching the first timed step and every rank finishing the last,
+    and the CPU seconds this rank's process spent meanwhile."""
 
     def __init__(self) -> None:
-        self.began: float | None = None
-        self.ended: float | None = None
+        self.began: Span | None = None
+        self.ended: Span | None = None
 
     def start(self) -> None:
         dist.barrier()
-        self.began = time.perf_counter()
+        self.began = (time.perf_counter(), time.process_time())
 
     def stop(self) -> None:
         dist.barrier()
-        self.ended = time.perf_counter()
+        self.ended = (time.perf_counter(), time.process_time())
 
-    def seconds(self) -> float:
+    def seconds(self) -> Span:
         if self.began is None or self.ended is None:
             raise RuntimeError("the clock did not run: fewer steps than the warm-up?")
-        return self.ended - self.began
+        return self.ended[0] - self.began[0], self.ended[1] - self.began[1]
 
 
-def _loop(model: Any, optimizer: Any, loader: Any, backward: Callable[[Any], None], steps: int, warmup: int) -> float:
+def _loop(model: Any, optimizer: Any, loader: Any, backward: Callable[[Any], None], steps: int, warmup: int) -> Span:
     """A hand-written loop over `loader` (cycled) for the frameworks that leave the loop to the user."""
     clock, done = _Clock(), 0
     while done < warmup + steps:
@@ -100,7 +107,7 @@ def _loop(model: Any, optimizer: Any, loader: Any, backward: Callable[[Any], Non
     return clock.seconds()
 
 
-def lightning(steps: int, warmup: int) -> float:
+def lightning(steps: int, warmup: int) -> Span:
     import lightning as L
 
     clock = _Clock()
@@ -140,7 +147,7 @@ def lightning(steps: int, warmup: int) -> float:
     return clock.seconds()
 
 
-def accelerate(steps: int, warmup: int) -> float:
+def accelerate(steps: int, warmup: int) -> Span:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=dist.get_backend() == "gloo")
@@ -153,7 +160,7 @@ def accelerate(steps: int, warmup: int) -> float:
     return _loop(model, optimizer, loader, accelerator.backward, steps, warmup)
 
 
-def hf_trainer(steps: int, warmup: int) -> float:
+def hf_trainer(steps: int, warmup: int) -> Span:
     import tempfile
 
     import transformers
@@ -191,7 +198,7 @@ def hf_trainer(steps: int, warmup: int) -> float:
     return clock.seconds()
 
 
-def fsdp2(steps: int, warmup: int) -> float:
+def fsdp2(steps: int, warmup: int) -> Span:
     import ddp_notebook
     from ddp_notebook.rank import context
 
@@ -211,12 +218,12 @@ def fsdp2(steps: int, warmup: int) -> float:
     return _loop(model, optimizer, Loader(), lambda loss: loss.backward(), steps, warmup)
 
 
-def ddp(steps: int, warmup: int) -> float:
+def ddp(steps: int, warmup: int) -> Span:
     result = train_workload.train(steps, warmup)  # the training scenario's plain DDP loop
-    return float(result["elapsed_s"])
+    return float(result["elapsed_s"]), float(result["process_cpu_s"])
 
 
-FRAMEWORKS: dict[str, Callable[[int, int], float]] = {
+FRAMEWORKS: dict[str, Callable[[int, int], Span]] = {
     "lightning": lightning,
     "accelerate": accelerate,
     "hf_trainer": hf_trainer,
@@ -226,8 +233,16 @@ FRAMEWORKS: dict[str, Callable[[int, int], float]] = {
 
 
 def run(names: list[str], steps: int, warmup: int) -> dict[str, Any]:
-    """steps/s of each framework in `names`, in that order, as rank 0 timed it."""
+    """steps/s of each framework in `names`, in that order, as rank 0 timed it, and rank 0's
+    process CPU milliseconds per step."""
     rates: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for name in names:
-        rates[name] = steps / FRAMEWORKS[name](steps, warmup)
-    return {"steps_per_s": rates, "torch_threads": torch.get_num_threads(), "world_size": dist.get_world_size()}
+        seconds, cpu_seconds = FRAMEWORKS[name](steps, warmup)
+        rates[name], cpu[name] = steps / seconds, cpu_seconds / steps * 1e3
+    return {
+        "steps_per_s": rates,
+        "cpu_ms_per_step": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "world_size": dist.get_world_size(),
+    }

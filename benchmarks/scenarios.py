@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import BENCH_DIR, Tracker, Unsupported, cpu_seconds, fmt, mean_interval, print_table, rounds, stats
-from subjects import SUBJECTS, InProcess, KernelSubject, Subject
+from subjects import ON_PATH, SUBJECTS, InProcess, KernelSubject, Subject
 
 CELL_TIMEOUT = 60.0  # seconds for a probe or trivial cell
 RECOVERY_TIMEOUT = 10.0  # seconds for the first cell with a collective after a failure
@@ -90,7 +90,7 @@ RANK_TAG = re.compile(r"\[(?:rank |stdout:|stderr:|default)(\d+)\]|\[(\d+):\w+\]
 FAILURE_WORDS = re.compile(
     r"Error|error|Traceback|Timeout|timed out|failed|FAILED|interrupted|Interrupt|killed|mismatch"
 )
-WORKLOAD = f"import json, sys\nsys.path.insert(0, {str(BENCH_DIR)!r})\nimport train_workload\n"
+WORKLOAD = "import json, sys\n" + ON_PATH.format(bench=str(BENCH_DIR)) + "import train_workload\n"
 HEALED = re.compile(r"set up again in ([\d.]+) s")  # what ddp_notebook tells the user after a heal
 # the elastic scenario: train_workload's MLP on synthetic data, tracked (a snapshot every K steps)
 ELASTIC_STEPS = 60

@@ -42,9 +42,13 @@ READY = (
     'print(f"ready rank={rank} pg={dist.is_initialized()} threads={torch.get_num_threads()} t={time.time()}'
     " code={getattr(sys.modules.get('ddp_notebook'), '__file__', None)}\", flush=True)"
 )
+# puts the benchmark directory on a rank's import path once: cells run again and again in the same
+# ranks, and each repeated entry makes every lookup of a module that is not installed slower
+# (accelerate's optimizer asks for one twice per step), so the ranks' steps would slow round by round
+ON_PATH = "if {bench!r} not in sys.path:\n    sys.path.insert(0, {bench!r})\n"
 # {threads}: "torch.set_num_threads(N)\n", or "" for the tool's default
 TRAIN = (
-    "import json, sys, torch\n{threads}sys.path.insert(0, {bench!r})\nimport train_workload\n"
+    "import json, sys, torch\n{threads}" + ON_PATH + "import train_workload\n"
     "result = train_workload.train({steps}, {warmup})\n"
     'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(result), flush=True)'
 )

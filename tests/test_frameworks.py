@@ -222,6 +222,10 @@ def test_ranks_carry_torchruns_environment(framework_kernel: Kernel) -> None:
     assert env["0"]["TORCHELASTIC_RUN_ID"] == env["1"]["TORCHELASTIC_RUN_ID"] not in (None, "")
     assert pull(framework_kernel, "elastic_launched") == {"0": True, "1": True}
     assert pull(framework_kernel, "hasattr(__import__('sys'), 'ps1')") == {"0": False, "1": False}
+    # the working directory importable once, as a script's own directory is under torchrun
+    paths = pull(framework_kernel, "__import__('sys').path")
+    for rank in ("0", "1"):
+        assert paths[rank].count("") == 1 and len(set(paths[rank])) == len(paths[rank]), paths[rank]
 
 
 def test_lightning_trainer_strategy_ddp(framework_kernel: Kernel) -> None:
