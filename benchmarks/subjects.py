@@ -533,11 +533,15 @@ class DDPKernelSubject(KernelSubject):
 
 
 class DDPKernelPrewarmedSubject(DDPKernelSubject):
-    """`%ddp_start` a moment after `%load_ext` (untimed, as the kernel's own start), as a notebook runs them."""
+    """`%ddp_start` a moment after `%load_ext` (untimed, as the kernel's own start), as a notebook runs them.
+
+    `%load_ext` warms up twice: the template (torch imported in a process of its own) and, once
+    its cell is over, the live view's imports on the kernel's thread (about a second); the
+    second untimed cell waits for the template, and runs after those imports."""
 
     name = "ddp_kernel_prewarmed"
     label = "ddp_notebook `%%ddp`, `%ddp_start` after `%load_ext` had time to warm up"
-    untimed = ("%load_ext ddp_notebook\nimport ddp_notebook\nassert ddp_notebook.warm_up(wait=60)",)
+    untimed = ("%load_ext ddp_notebook", "import ddp_notebook\nassert ddp_notebook.warm_up(wait=60)")
     setup = ("%ddp_start {ranks} --backend {backend} --force",)
 
     @classmethod

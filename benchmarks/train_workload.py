@@ -187,12 +187,41 @@ def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]
             for handle in handles:
                 handle.remove()
             timing.remove_optimizer_hooks()
+    seconds |= _hooks_alone(rounds, block)
     calls = 200
     began = time.perf_counter()
     for _ in range(calls):
         xray_rank.report(full=False)  # what a running cell's watch asks
     seconds["report_us"] = [(time.perf_counter() - began) / calls * 1e6]
     return seconds
+
+
+def _hooks_alone(rounds: int, block: int) -> dict[str, list[float]]:
+    """CPU seconds per block of the same MLP's steps in this process alone, no process group:
+    plain, and with the step timing hooked on, alternating. Without the collectives (and the
+    peer's timing), what is left is the hooks' own cost, which the DDP blocks' noise hides."""
+    from ddp_notebook import timing
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    inputs, targets = torch.randn(BATCH_PER_RANK, IN_FEATURES), torch.randint(0, CLASSES, (BATCH_PER_RANK,))
+    found: dict[str, list[float]] = {"alone_without": [], "alone_with": []}
+    for round_index in range(rounds):
+        for kind in ("without", "with") if round_index % 2 == 0 else ("with", "without"):
+            handles = timing.watch_model(model) if kind == "with" else []
+            began = time.process_time()
+            for _ in range(block):
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+                optimizer.step()
+            found[f"alone_{kind}"].append(time.process_time() - began)
+            for handle in handles:
+                handle.remove()
+            timing.remove_optimizer_hooks()
+    return found
 
 
 def strict_cost(calls: int) -> dict[str, float]:
