@@ -91,7 +91,7 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             isinstance(obj, rank_side.EpochDataLoader) and isinstance(obj.sampler, rank_side.ResumableSampler)
         ):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
-        if isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj) and not _reshardable(obj):
+        if _is_sharded_module(obj) and not _reshardable(obj):
             raise TypeError(
                 f"'{name}' cannot be sharded again on another number of ranks (it was sharded by fully_shard "
                 "directly, on a mesh of more than one dimension, or copy.deepcopy cannot copy it): "
@@ -247,7 +247,7 @@ def skip_cell_snapshot() -> None:
 
 
 def _after_cell(result: Any) -> None:
-    skip, _settings["skip_cell"] = _settings.get("skip_cell", False), False
+    skip, _settings["skip_cell"] = _settings["skip_cell"], False
     if skip or not (_tracked and getattr(result, "success", False)):
         return
     if not _settings["collective"]:
