@@ -70,7 +70,8 @@ class Frameworks(Scenario):
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
         turn = self.calls.get(subject.name, 0)
         self.calls[subject.name] = turn + 1
-        framework = NAMES[turn % len(NAMES)]  # the same on both sides of a round
+        chosen = run.s.frameworks or NAMES
+        framework = chosen[turn % len(chosen)]  # the same on both sides of a round
         result = self.run_cell(subject, run, [framework])
         rate, cpu = result["steps_per_s"][framework], result["cpu_ms_per_step"][framework]
         return {
@@ -89,7 +90,7 @@ class Frameworks(Scenario):
         rows, cpu_rows = [], []
         ours = next((n for n in results if n != "torchrun"), None)
         everything: list[float] = []
-        for framework in NAMES:
+        for framework in s.frameworks or NAMES:
             only = {
                 name: {**entry, "samples": [x for x in entry["samples"] if x["framework"] == framework]}
                 for name, entry in results.items()

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from framework_scenario import NAMES as FRAMEWORK_NAMES
 from framework_scenario import Frameworks
 from harness import RESULTS, exit_on_sigterm, machine_info, warm_file_cache, write_json
 from scenarios import SCENARIOS, Run, Scenario, drive
@@ -55,6 +56,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--calls", type=int, default=200_000, help="logging: log() calls per timing (default: 200000)")
     add("--block", type=int, default=25, help="logging, seeing: training steps per block (default: 25)")
     add("--blocks", type=int, default=60, help="logging, seeing: blocks of each kind per cell (default: 60)")
+    add("--frameworks", help="frameworks: which, comma-separated, in turn (default: all of them)")
     add("--sharded", action="store_true", help="elastic: the model sharded with FSDP2 (shard_model), not DDP")
     add("--markdown", type=Path, default=RESULTS / "peers.md", help="peers: the table (default: %(default)s)")
     return parser
@@ -70,6 +72,7 @@ def settings(args: argparse.Namespace, scenario: str, peers: bool) -> argparse.N
             fallback = DEFAULTS["peers"].get(name) if peers and scenario == "training" else None
             setattr(s, name, fallback or DEFAULTS[name].get(scenario, 0))
     s.cases = args.cases.split(",")
+    s.frameworks = tuple(args.frameworks.split(",")) if args.frameworks else None
     return s
 
 
@@ -81,6 +84,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if unknown := set(args.cases.split(",")) - set(CASES) - set(EXTRA_CASES):
         known = ", ".join(CASES + EXTRA_CASES)
         parser.error(f"--cases: unknown {', '.join(sorted(unknown))} (choose from {known})")
+    if args.frameworks and (unknown := set(args.frameworks.split(",")) - set(FRAMEWORK_NAMES)):
+        parser.error(f"--frameworks: unknown {', '.join(sorted(unknown))} (choose from {', '.join(FRAMEWORK_NAMES)})")
     if args.subjects and (unknown := set(args.subjects.split(",")) - set(SUBJECTS)):
         parser.error(f"--subjects: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SUBJECTS)})")
     from ddp_notebook import network

@@ -561,7 +561,7 @@ class DDPCluster:
         return self._supervisor.where_stuck(self._select(ranks))
 
     def collectives(self, ranks: Iterable[int] | str | None = None) -> dict[int, xray.RankCollectives]:
-        """Collective X-ray of the ranks on this host: the last collectives each one ran and the one it
+        """Collective X-ray of the ranks, on every host: the last collectives each one ran and the one it
         waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
         self._require_running(allow_broken=True)
         assert self._supervisor is not None
@@ -576,9 +576,11 @@ class DDPCluster:
                 raise DDPUsageError("no cell has failed on a rank yet: %ddp_debug looks into the last one that did")
             rank = RankError(list(self.last_failures)).root_cause.rank
         (rank,) = self._select([rank])
-        assert self._provisioner is not None and self._private_dir is not None
+        assert self._provisioner is not None and self._supervisor is not None
+        reach = self._supervisor.reach()
+        assert reach is not None
         engine = self._provisioner.client[self._ranks[rank].engine_id]
-        debugging.post_mortem(engine, self._private_dir, rank)
+        debugging.post_mortem(engine, reach, rank)
 
     def straggler(self) -> stragglers.Straggler | None:
         """The rank clearly slower than its peers over their recent steps of models from prepare_model

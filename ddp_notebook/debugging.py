@@ -26,7 +26,7 @@ OPEN_SECONDS = 10.0
 
 
 def drive(
-    directory: str,
+    reach: xray.Reach,
     rank: int,
     read_line: Callable[[str], str] | None = None,
     out: TextIO | None = None,
@@ -34,19 +34,19 @@ def drive(
     """Run rank `rank`'s waiting pdb session until the user continues or quits."""
     # looked up now: ipykernel installs its own input() for each cell it runs
     read_line = read_line or builtins.input
-    answer = xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line=None)
+    answer = xray.ask(reach, rank, "debug", timeout=LINE_SECONDS, line=None)
     while answer is not None:
         _show(rank, answer, out or sys.stdout)
         if not answer.get("active"):
             return
         if not answer.get("waiting"):
             time.sleep(0.05)  # pdb is still running the last line
-            answer = xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line=None)
+            answer = xray.ask(reach, rank, "debug", timeout=LINE_SECONDS, line=None)
             continue
         try:
             line = read_line(f"[rank {rank}] {PROMPT}")
         except (KeyboardInterrupt, EOFError):
-            xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line="q")
+            xray.ask(reach, rank, "debug", timeout=LINE_SECONDS, line="q")
             raise KeyboardInterrupt from None
         except Exception as failure:  # noqa: BLE001  (no stdin here: nbclient, a script, ...)
             (out or sys.stderr).write(
@@ -54,7 +54,7 @@ def drive(
                 "give the lines up front with ddp_notebook.breakpoint(rank, commands=[...])\n"
             )
             line = "c"
-        answer = xray.ask(directory, rank, "debug", timeout=LINE_SECONDS, line=line)
+        answer = xray.ask(reach, rank, "debug", timeout=LINE_SECONDS, line=line)
 
 
 def _show(rank: int, answer: dict[str, Any], out: TextIO) -> None:
@@ -67,14 +67,14 @@ def _show(rank: int, answer: dict[str, Any], out: TextIO) -> None:
         out.flush()
 
 
-def post_mortem(engine: Any, directory: str, rank: int) -> None:
+def post_mortem(engine: Any, reach: xray.Reach, rank: int) -> None:
     """pdb on rank `rank`'s last failed cell (its engine: an ipyparallel view of that one rank)."""
     pending = engine.apply_async(rank_calls.post_mortem)
     deadline = time.monotonic() + OPEN_SECONDS
     while not pending.ready():
-        answer = xray.ask(directory, rank, "report")
+        answer = xray.ask(reach, rank, "report")
         if answer is not None and answer.get("debugger"):
-            drive(directory, rank)
+            drive(reach, rank)
             break
         if time.monotonic() > deadline:
             raise DDPError(f"rank {rank} did not open pdb within {OPEN_SECONDS:g} s: is it busy running a cell?")

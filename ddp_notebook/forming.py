@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout, network, rank_calls
+from . import layout, network, rank_calls, xray_wire
 from .config import WorldConfig, is_loopback
 from .errors import InsecureNetworkWarning, StartError, one_line
 from .provisioning import Provisioner
@@ -158,6 +158,7 @@ def join_process_group(
             device_name=joined.device_name,
             gpu=placement.gpu,
             main_thread=joined.main_thread,
+            xray_address=joined.xray_address,
             local_rank=placement.local_rank,
             local_world_size=placement.local_world_size,
             group_rank=placement.group_rank,
@@ -170,6 +171,7 @@ def rank_spec(
 ) -> rank_calls.RankSpec:
     """What rank `placement.rank` needs to join the group whose rendezvous is at rank 0's `port`."""
     address, interface = world.routes[placement.rank]
+    here = placement.host == socket.gethostname()
     return rank_calls.RankSpec(
         rank=placement.rank,
         world_size=len(world.placements),
@@ -181,9 +183,17 @@ def rank_spec(
         backend=world.backend,
         timeout=config.timeout,
         threads=config.threads_per_rank,
-        stack_dir=stack_dir if placement.host == socket.gethostname() else None,
+        stack_dir=stack_dir if here else None,
         gpu=placement.gpu,
         # a user's own GLOO/NCCL_SOCKET_IFNAME (env=...) wins over the route's
         socket_ifname=None if "GLOO_SOCKET_IFNAME" in config.env else interface,
         check_collectives=config.check_collectives,
+        xray_key=xray_wire.world_key(stack_dir).hex() if stack_dir and not here else None,
+        xray_toward=None if here else _notebook_address(config),
     )
+
+
+def _notebook_address(config: WorldConfig) -> str | None:
+    """Where ranks on other hosts reach this host: the controller's address, which they reach
+    already (or, for a world attached to a controller on loopback, this host's primary address)."""
+    return config.master_addr if not is_loopback(config.master_addr) else network.primary_address()

@@ -143,11 +143,16 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         enable_stack_dumps(spec["stack_dir"], rank)
         xray_rank.serve(spec["stack_dir"], rank)
         _state["stack_dumps"] = True
+    xray_address = None
+    if spec.get("xray_key") and spec.get("xray_toward"):
+        # a rank on another host: the notebook reaches its X-ray over TCP, signed with the world's key
+        xray_address = xray_rank.serve_tcp(spec["xray_toward"], bytes.fromhex(spec["xray_key"]))
     return {
         "device": str(device),
         "device_name": _device_name(device),
         "backend": spec["backend"],
         "main_thread": threading.main_thread().ident,
+        "xray_address": xray_address,
     }
 
 

@@ -40,6 +40,9 @@ class RankSpec:
     gpu: str | None  # the CUDA_VISIBLE_DEVICES entry of its GPU, None on CPU
     socket_ifname: str | None  # interface of the route to rank 0, for gloo / NCCL
     check_collectives: bool = False  # strict mode (ddp_notebook.strict), on once the group is up
+    # ranks on other hosts: the world's X-ray key (hex) and the notebook's address its X-ray serves toward
+    xray_key: str | None = None
+    xray_toward: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class JoinReport:
     device_name: str
     backend: str
     main_thread: int | None
+    xray_address: tuple[str, int] | None = None  # where a rank on another host answers X-ray requests
 
 
 def describe() -> Identity:
@@ -88,6 +92,7 @@ def init_world(spec: RankSpec) -> JoinReport:
         device_name=report["device_name"],
         backend=report["backend"],
         main_thread=report.get("main_thread"),
+        xray_address=tuple(report["xray_address"]) if report.get("xray_address") else None,  # type: ignore[arg-type]
     )
 
 

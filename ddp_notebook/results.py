@@ -30,6 +30,7 @@ class RankInfo:
     local_rank: int = 0
     local_world_size: int = 1
     group_rank: int = 0
+    xray_address: tuple[str, int] | None = None  # a rank on another host: its X-ray's TCP address
 
 
 @dataclass(frozen=True)

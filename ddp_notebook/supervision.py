@@ -129,17 +129,30 @@ class WorldSupervisor:
         """The memory of `ranks` on this host against their limit, warning once per crossing."""
         return self.memory.check(self._infos(ranks))
 
+    def reach(self) -> xray.Reach | None:
+        """How to reach the ranks' X-ray threads (None before the world has its private directory)."""
+        if self.stack_dir is None:
+            return None
+        return xray.Reach.of(self.stack_dir, self._ranks().values())
+
     def where_stuck(self, ranks: tuple[int, ...]) -> str:
-        """One line per rank on this host saying where its main thread is (works while it is blocked)."""
-        here = socket.gethostname()
-        infos = {info.rank: info for info in self._infos(ranks) if info.host == here}
-        if not infos or self.stack_dir is None:
+        """One line per rank saying where its main thread is (works while it is blocked): for ranks
+        on this host from faulthandler's dump (which works even while a rank holds the GIL), for
+        ranks on other hosts from their X-ray thread."""
+        reach = self.reach()
+        if reach is None:
             return ""
-        dumps = stacks.request_stacks({r: info.pid for r, info in infos.items()}, self.stack_dir)
-        readings = xray.read_ranks(self.stack_dir, infos)
+        here = socket.gethostname()
+        infos = {info.rank: info for info in self._infos(ranks)}
+        local = {rank: info.pid for rank, info in infos.items() if info.host == here}
+        dumps = stacks.request_stacks(local, reach.directory) if local else {}
+        readings = xray.read_ranks(reach, infos)
         lines = []
         for rank, info in infos.items():
-            frames = stacks.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
+            if rank in local:
+                frames = stacks.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
+            else:
+                frames = xray.main_thread_frames(reach, rank)
             reading = readings.get(rank)
             current = reading.current if reading is not None else None
             seen = f"; {current.describe()} for {reading.waited:.1f} s" if reading and current else ""
@@ -147,23 +160,22 @@ class WorldSupervisor:
         return "\n".join(lines)
 
     def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:
-        """The collective X-ray of `ranks` on this host (answered while they are blocked); light
-        unless `full` (see xray.read_ranks)."""
-        here = socket.gethostname()
-        local = [info.rank for info in self._infos(ranks) if info.host == here]
-        if not local or self.stack_dir is None:
-            return {}
-        return xray.read_ranks(self.stack_dir, local, full)
+        """The collective X-ray of `ranks` (answered while they are blocked); light unless `full`
+        (see xray.read_ranks)."""
+        reach = self.reach()
+        return xray.read_ranks(reach, ranks, full) if reach is not None else {}
 
     def debug(self, rank: int) -> None:
         """Drive `rank`'s waiting pdb session from the notebook until the user continues or quits."""
-        if self.stack_dir is not None:
-            debugging.drive(self.stack_dir, rank)
+        reach = self.reach()
+        if reach is not None:
+            debugging.drive(reach, rank)
 
     def release_blocked(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks`, blocked in a collective, fail out of it (their processes live on)."""
-        if self.stack_dir is not None:
-            xray.release(self.stack_dir, ranks)
+        reach = self.reach()
+        if reach is not None:
+            xray.release(reach, ranks)
 
     def release(self, ranks: tuple[int, ...]) -> None:
         """Make `ranks` let go of the process group, so peers blocked in it with them fail."""

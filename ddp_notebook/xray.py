@@ -1,9 +1,10 @@
 """Collective X-ray, notebook side: what each rank ran and waits in, and mismatches named in seconds.
 
-Each rank on this host answers on a Unix socket in the world's private directory
-(`xray_rank`, served by a thread of the rank, so it answers while the rank is blocked in a
-collective). From the answers: per rank the last collectives (op, sequence number, shapes)
-from torch's flight recorder, the one it waits in, for how long, and its cell line.
+Each rank answers from a thread of its own (`xray_rank`), so it answers while it is blocked in
+a collective: a rank on this host on a Unix socket in the world's private directory, a rank on
+another host over TCP, each line signed with the world's key (`xray_wire`). From the answers:
+per rank the last collectives (op, sequence number, shapes) from torch's flight recorder, the
+one it waits in, for how long, and its cell line.
 
 `MismatchWatch` turns repeated readings into a verdict: ranks blocked in collectives that
 cannot match (different sequence numbers, ops or shapes), or ranks blocked in a collective
@@ -18,10 +19,13 @@ import json
 import socket
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import xray_wire
 from .errors import RankError, RankFailure
+from .results import RankInfo
 from .stragglers import StepTimes, find_straggler
 from .xray_rank import socket_path
 
@@ -29,6 +33,8 @@ from .xray_rank import socket_path
 ANSWER_SECONDS = 1.0
 # a mismatch is confirmed by a second reading this much later showing the same picture
 CONFIRM_SECONDS = 1.0
+# ranks on other hosts asked side by side in one reading
+REMOTE_ASKS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
@@ -120,41 +126,85 @@ def parse_report(rank: int, answer: Mapping[str, Any]) -> RankCollectives:
     )
 
 
-def ask(
-    directory: str, rank: int, request: str, timeout: float = ANSWER_SECONDS, **fields: Any
-) -> dict[str, Any] | None:
-    """One request to one rank of this host; None when it does not answer in time."""
+@dataclass(frozen=True)
+class Reach:
+    """How the notebook reaches each rank's X-ray: a rank here by its Unix socket in `directory`,
+    a rank on another host at its TCP address in `remote`, signed with the world's `key`."""
+
+    directory: str
+    remote: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    key: bytes = b""
+
+    @classmethod
+    def of(cls, directory: str, infos: Iterable[RankInfo]) -> Reach:
+        here = socket.gethostname()
+        remote = {i.rank: i.xray_address for i in infos if i.host != here and i.xray_address is not None}
+        return cls(directory, remote, xray_wire.world_key(directory) if remote else b"")
+
+
+def ask(reach: Reach, rank: int, request: str, timeout: float = ANSWER_SECONDS, **fields: Any) -> dict[str, Any] | None:
+    """One request to one rank; None when it does not answer in time (or its answer is not signed right)."""
+    address = reach.remote.get(rank)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.settimeout(timeout)
-            connection.connect(str(socket_path(directory, rank)))
-            connection.sendall((json.dumps({"ask": request, **fields}) + "\n").encode())
-            reply = connection.makefile("r", encoding="utf8").readline()
-    except OSError:
-        return None
-    try:
-        answer = json.loads(reply)
-    except ValueError:
+        if address is None:
+            answer = _ask_here(socket_path(reach.directory, rank), {"ask": request, **fields}, timeout)
+        else:
+            answer = _ask_elsewhere(address, reach.key, {"ask": request, **fields}, timeout)
+    except (OSError, ValueError):
         return None
     return answer if isinstance(answer, dict) and "error" not in answer else None
 
 
-def read_ranks(directory: str, ranks: Iterable[int], full: bool = True) -> dict[int, RankCollectives]:
-    """The X-ray of `ranks` (those of this host that answered). `full=False`: a light reading, with
-    a running collective only once it has run a moment (what a running cell's watch asks)."""
+def _ask_here(path: Any, request: dict[str, Any], timeout: float) -> Any:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(timeout)
+        connection.connect(str(path))
+        connection.sendall(xray_wire.line(request))
+        return json.loads(connection.makefile("r", encoding="utf8").readline())
+
+
+def _ask_elsewhere(address: tuple[str, int], key: bytes, request: dict[str, Any], timeout: float) -> Any:
+    with socket.create_connection(address, timeout=min(timeout, ANSWER_SECONDS)) as connection:
+        connection.settimeout(timeout)
+        reader = connection.makefile("r", encoding="utf8")
+        challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
+        connection.sendall(xray_wire.line(xray_wire.signed(key, challenge, xray_wire.ASK, request)))
+        return xray_wire.verified(key, challenge, xray_wire.ANSWER, json.loads(reader.readline()))
+
+
+def read_ranks(reach: Reach, ranks: Iterable[int], full: bool = True) -> dict[int, RankCollectives]:
+    """The X-ray of `ranks` (those that answered). `full=False`: a light reading, with a running
+    collective only once it has run a moment (what a running cell's watch asks)."""
+    ranks = list(ranks)
+    elsewhere = [rank for rank in ranks if rank in reach.remote]
+    if len(elsewhere) > 1:
+        # each answer from another host takes a network round trip, a lost host a connect timeout:
+        # ask them side by side, so a reading takes one of those, not one per rank
+        with ThreadPoolExecutor(max_workers=min(len(elsewhere), REMOTE_ASKS_AT_ONCE)) as pool:
+            answers = dict(zip(elsewhere, pool.map(lambda r: ask(reach, r, "report", full=full), elsewhere)))
+    else:
+        answers = {}
     found = {}
     for rank in ranks:
-        answer = ask(directory, rank, "report", full=full)
+        answer = answers[rank] if rank in answers else ask(reach, rank, "report", full=full)
         if answer is not None:
             found[rank] = parse_report(rank, answer)
     return found
 
 
-def release(directory: str, ranks: Iterable[int]) -> dict[int, int]:
+def main_thread_frames(reach: Reach, rank: int) -> list[tuple[str, int, str]]:
+    """(file, line, function) of `rank`'s main thread, innermost first, as its X-ray thread reads them."""
+    answer = ask(reach, rank, "stack")
+    if answer is None:
+        return []
+    return [(str(f), int(n), str(name)) for f, n, name in answer.get("frames", ())]
+
+
+def release(reach: Reach, ranks: Iterable[int]) -> dict[int, int]:
     """Make `ranks` shut their process group's connections; {rank: connections shut} of those that answered."""
     done = {}
     for rank in ranks:
-        answer = ask(directory, rank, "release")
+        answer = ask(reach, rank, "release")
         if answer is not None:
             done[rank] = int(answer.get("released", 0))
     return done

@@ -1,8 +1,10 @@
 """Runs on ranks: what collectives this rank ran and is in, answered while its main thread is blocked.
 
 A rank blocked in a gloo collective runs nothing ipyparallel sends it, but gloo waits with the
-GIL released, so a thread of ours still runs. It serves a Unix socket in the world's private
-directory (only the user can reach it) and answers two requests, one JSON line each:
+GIL released, so a thread of ours still runs. On the notebook's host it serves a Unix socket in
+the world's private directory (only the user can reach it); on another host, a TCP port on the
+rank's address toward the notebook, every line signed with the world's key (`xray_wire`). It
+answers these requests, one JSON line each:
 
 - `report`: torch's flight recorder entries of the default group (op, sequence number, shapes,
   retired or not), the main thread's current cell line, and whether it is in a cell at all;
@@ -10,7 +12,10 @@ directory (only the user can reach it) and answers two requests, one JSON line e
   main thread waits in fails at once ("Connection closed by peer") and the process lives on.
   `ProcessGroup.abort()` returns on gloo in torch 2.13 but leaves the waiting collective
   blocked; closing the listening socket makes gloo's listener thread abort the process, so
-  only connected sockets are shut down.
+  only connected sockets are shut down;
+- `stack`: the main thread's Python frames (what `where_stuck` shows for ranks on other hosts,
+  which the notebook cannot signal);
+- `debug`: one line to and from the rank's waiting pdb session (`debugger`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import xray_wire
+
 # entries torch's flight recorder keeps per process (read when the first group is made)
 FLIGHT_RECORDER_SIZE = "20"
 # how many finished collectives a report carries
@@ -33,7 +40,7 @@ STABLE_SECONDS = 0.2
 # how the flight recorder names the default group (subgroups from new_group have names of their own)
 _DEFAULT_GROUP = "default_pg"
 
-_state: dict[str, Any] = {"server": None, "sockets_before": frozenset()}
+_state: dict[str, Any] = {"server": None, "tcp_server": None, "sockets_before": frozenset()}
 
 
 def socket_path(directory: str, rank: int) -> Path:
@@ -50,7 +57,7 @@ def before_group() -> None:
 
 
 def serve(directory: str, rank: int) -> None:
-    """Answer report / release requests on this rank's socket (once per process; heals reuse it)."""
+    """Answer requests on this rank's Unix socket (once per process; heals reuse it)."""
     if _state["server"] is not None:
         return
     path = socket_path(directory, rank)
@@ -60,8 +67,30 @@ def serve(directory: str, rank: int) -> None:
     os.chmod(path, 0o600)
     server.listen(8)
     _state["server"] = server
+    _start_answering(server, key=None)
+
+
+def serve_tcp(toward: str, key: bytes) -> tuple[str, int] | None:
+    """Answer signed requests on a TCP port of this rank's address toward `toward` (the notebook's
+    host), for a rank on another host; (address, port), or None where no route leads there.
+    Once per process: a heal gets the same port (the world's key does not change)."""
+    if _state["tcp_server"] is not None:
+        return _state["tcp_server"].getsockname()[:2]
+    from .network import listen, source_address
+
+    address = source_address(toward)
+    if address is None:
+        return None
+    server = listen(address, backlog=8)
+    _state["tcp_server"] = server
+    _start_answering(server, key=key)
+    return address, server.getsockname()[1]
+
+
+def _start_answering(server: socket.socket, key: bytes | None) -> None:
     sys.breakpointhook = _stop_in_debugger  # a plain breakpoint() in a cell stops this rank in the notebook
-    threading.Thread(target=_answer_forever, args=(server,), name="ddp-notebook-xray", daemon=True).start()
+    name = "ddp-notebook-xray" if key is None else "ddp-notebook-xray-tcp"
+    threading.Thread(target=_answer_forever, args=(server, key), name=name, daemon=True).start()
 
 
 def _stop_in_debugger(*_args: Any, **_kwargs: Any) -> None:
@@ -70,7 +99,7 @@ def _stop_in_debugger(*_args: Any, **_kwargs: Any) -> None:
     stop_here(sys._getframe().f_back)
 
 
-def _answer_forever(server: socket.socket) -> None:
+def _answer_forever(server: socket.socket, key: bytes | None) -> None:
     while True:
         try:
             connection, _ = server.accept()
@@ -79,14 +108,31 @@ def _answer_forever(server: socket.socket) -> None:
         with connection:
             connection.settimeout(2.0)
             try:
-                request = json.loads(connection.makefile("r", encoding="utf8").readline() or "{}")
-                answer = _answer(request.get("ask", ""), request.get("line"), bool(request.get("full", True)))
-                connection.sendall((json.dumps(answer) + "\n").encode())
+                _answer_one(connection, key)
             except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
                 try:
-                    connection.sendall((json.dumps({"error": repr(failure)}) + "\n").encode())
+                    connection.sendall(xray_wire.line({"error": repr(failure)}))
                 except OSError:
                     pass
+
+
+def _answer_one(connection: socket.socket, key: bytes | None) -> None:
+    """One request, one answer; signed both ways where `key` is given (TCP), else as they come."""
+    reader = connection.makefile("r", encoding="utf8")
+    challenge = b""
+    if key is None:
+        request = json.loads(reader.readline() or "{}")
+    else:
+        challenge = xray_wire.new_challenge()
+        connection.sendall(xray_wire.line({"challenge": challenge.hex()}))
+        request = xray_wire.verified(key, challenge, xray_wire.ASK, json.loads(reader.readline() or "{}"))
+        if request is None:
+            connection.sendall(xray_wire.line({"error": xray_wire.REFUSED}))
+            return
+    answer = _answer(request.get("ask", ""), request.get("line"), bool(request.get("full", True)))
+    if key is not None:
+        answer = xray_wire.signed(key, challenge, xray_wire.ANSWER, answer)
+    connection.sendall(xray_wire.line(answer))
 
 
 def _answer(ask: str, line: str | None, full: bool) -> dict[str, Any]:
@@ -98,6 +144,8 @@ def _answer(ask: str, line: str | None, full: bool) -> dict[str, Any]:
         from .debugger import SESSION
 
         return SESSION.answer(line)
+    if ask == "stack":
+        return {"frames": main_thread_frames()}
     return {"error": f"unknown request {ask!r}"}
 
 
@@ -228,6 +276,17 @@ def _entry(raw: dict[str, Any]) -> dict[str, Any]:
         "retired": bool(raw.get("retired")),
         "created_ns": int(raw.get("time_created_ns", 0)),
     }
+
+
+def main_thread_frames() -> list[tuple[str, int, str]]:
+    """(file, line, function) of the main thread's Python frames, innermost first (as
+    `stacks.main_thread_frames` reads them from a faulthandler dump)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames
 
 
 def _main_thread_cell_line() -> tuple[int | None, bool]:

@@ -4,16 +4,20 @@ the bridge with CurveZMQ; gloo traffic between ranks crosses the bridge. Needs r
 
 from __future__ import annotations
 
+import builtins
+import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import warnings
 
 import pytest
 
-from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError, StartError
+from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError, StartError, xray, xray_wire
 from ddp_notebook.errors import CellTimeoutError
+from ddp_notebook.xray import CollectiveMismatchError
 from tests import multihost
 from tests.conftest import wait_gone
 from tests.multihost import Network, SlurmCluster, SSHHosts
@@ -44,7 +48,12 @@ def ssh_world(network: Network, ssh: SSHHosts, **options: object) -> DDPCluster:
     )
 
 
-def test_ssh_world_spans_two_hosts(multihost_network: Network, multihost_ssh: SSHHosts) -> None:
+def test_ssh_world_spans_two_hosts(
+    multihost_network: Network,
+    multihost_ssh: SSHHosts,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     h1, h2 = multihost_network
     world = ssh_world(multihost_network, multihost_ssh)
     with warnings.catch_warnings(record=True) as caught:
@@ -100,10 +109,98 @@ def test_ssh_world_spans_two_hosts(multihost_network: Network, multihost_ssh: SS
         with pytest.raises(CellTimeoutError):
             world.execute("import time\ntime.sleep(30)", timeout=2)
         assert world.execute("rank", stream=False).value_text(1) == "1"
+
+        check_xray_across_hosts(world, (h1.address, h2.address))
+        check_debugger_across_hosts(world, monkeypatch, capsys)
         rank_pids = [info.pid for info in world.ranks]
     finally:
         world.stop()
     assert wait_gone(rank_pids, 20) == []
+
+
+def check_xray_across_hosts(world: DDPCluster, addresses: tuple[str, str]) -> None:
+    """The X-ray reaches ranks on other hosts (over TCP, signed with the world's key): their
+    collectives, where they are stuck, mismatches caught and released, and nothing unsigned."""
+    assert [r.xray_address[0] if r.xray_address else None for r in world.ranks] == list(addresses)
+    world.execute("kept = rank * 10\ndist.all_reduce(torch.ones(1))")
+    before = {rank: reading.last_seq for rank, reading in world.collectives().items()}
+    assert sorted(before) == [0, 1] and min(before.values()) > 0, before
+    world.execute("dist.all_reduce(torch.ones(3, 2))")
+    for rank, reading in world.collectives().items():
+        last = reading.history[-1]
+        assert (last.seq - before[rank], last.op, last.shapes, last.done) == (1, "all_reduce", ((3, 2),), True)
+
+    # the timeout report says where each remote rank's main thread is, from its X-ray thread
+    with pytest.raises(CellTimeoutError) as timed_out:
+        world.execute(
+            "import time\nif rank == 1:\n    while True:\n        time.sleep(0.05)\ndist.all_reduce(torch.ones(1))",
+            timeout=3,
+        )
+    report = str(timed_out.value)
+    assert "rank 0: waiting in torch.distributed.all_reduce (at cell line 5)" in report, report
+    assert "rank 1: running <module> (at cell line 4), never reached the collective" in report, report
+
+    # ranks blocked in different collectives on two hosts: named within 5 s, released, state kept
+    began = time.monotonic()
+    with pytest.raises(CollectiveMismatchError) as caught:
+        world.execute(
+            "t = torch.ones(5)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n    dist.broadcast(t, 0)", timeout=60
+        )
+    assert caught.value.mismatch.waited < 5, "the mismatch was not caught within 5 s"
+    assert time.monotonic() - began < 20
+    text = "\n".join(caught.value._render_traceback_())
+    assert "different ops" in text and "rank 0 waits in all_reduce" in text and "rank 1 waits in broadcast" in text
+    assert "cell line 3" in text and "cell line 5" in text, text
+    assert world.pull("kept") == {0: 0, 1: 10}
+    assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(1) == "2.0"
+
+    # a request not signed with the world's key is refused and not acted on, and a signed one
+    # does not work twice (each connection has its own challenge)
+    host, port = world.ranks[1].xray_address or ("", 0)
+    key = xray.Reach.of(world._private_dir or "", world.ranks).key
+    assert len(key) == xray_wire.KEY_BYTES
+    with socket.create_connection((host, port), timeout=5) as connection:
+        reader = connection.makefile("r", encoding="utf8")
+        challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
+        forged = xray_wire.signed(b"x" * xray_wire.KEY_BYTES, challenge, xray_wire.ASK, {"ask": "release"})
+        connection.sendall(xray_wire.line(forged))
+        assert json.loads(reader.readline()) == {"error": xray_wire.REFUSED}
+    with socket.create_connection((host, port), timeout=5) as connection:
+        reader = connection.makefile("r", encoding="utf8")
+        old_challenge = challenge
+        challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
+        assert challenge != old_challenge
+        replayed = xray_wire.signed(key, old_challenge, xray_wire.ASK, {"ask": "release"})
+        connection.sendall(xray_wire.line(replayed))
+        assert json.loads(reader.readline()) == {"error": xray_wire.REFUSED}
+    # nothing was released: the group still works without a heal
+    heals = world.last_heal_seconds
+    assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(0) == "2.0"
+    assert world.last_heal_seconds == heals
+
+
+def check_debugger_across_hosts(
+    world: DDPCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A breakpoint on the rank of the other host: its pdb's lines cross on the signed line, each
+    answered at the notebook's prompt (input()); the peer waits in its collective meanwhile."""
+    answers, prompts = ["p x", "n", "p y", "c"], []
+
+    def answer(prompt: str = "") -> str:
+        prompts.append(prompt)
+        return answers.pop(0)
+
+    monkeypatch.setattr(builtins, "input", answer)
+    capsys.readouterr()
+    world.execute(
+        "x = rank * 10\nddp_notebook.breakpoint(rank=1)\ny = x + 1\nt = torch.ones(1)\n"
+        "dist.all_reduce(t)\nprint('after', y, t.item())",
+        timeout=60,
+    )
+    out = capsys.readouterr().out
+    assert prompts == ["[rank 1] (Pdb) "] * 4, out
+    assert "[rank 1] 10\n" in out and "[rank 1] -> t = torch.ones(1)" in out and "[rank 1] 11\n" in out, out
+    assert "[rank 0] after 1 2.0" in out and "[rank 1] after 11 2.0" in out, out
 
 
 def test_a_lost_host_is_named_and_restart_brings_the_world_back(

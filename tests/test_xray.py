@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from ddp_notebook import DDPCluster, RankError
+from ddp_notebook import DDPCluster, RankError, xray_wire
+from ddp_notebook.results import RankInfo
 from ddp_notebook.stragglers import StepTimes, find_straggler
 from ddp_notebook.timing import StepClock
-from ddp_notebook.xray import Collective, CollectiveMismatchError, MismatchWatch, RankCollectives, find_mismatch
+from ddp_notebook.xray import (
+    Collective,
+    CollectiveMismatchError,
+    MismatchWatch,
+    RankCollectives,
+    Reach,
+    find_mismatch,
+)
 from tests.conftest import shared_world
+
+# ---------------------------------------------------------------- the wire to other hosts (pure logic)
+
+
+def test_a_signature_binds_the_key_the_challenge_the_direction_and_every_field() -> None:
+    key, challenge = os.urandom(xray_wire.KEY_BYTES), xray_wire.new_challenge()
+    request = {"ask": "debug", "line": "p x", "full": False}
+    message = xray_wire.signed(key, challenge, xray_wire.ASK, request)
+    assert xray_wire.verified(key, challenge, xray_wire.ASK, message) == request
+    assert xray_wire.verified(os.urandom(xray_wire.KEY_BYTES), challenge, xray_wire.ASK, message) is None
+    assert xray_wire.verified(key, xray_wire.new_challenge(), xray_wire.ASK, message) is None  # a replay
+    assert xray_wire.verified(key, challenge, xray_wire.ANSWER, message) is None  # a request is no answer
+    assert xray_wire.verified(key, challenge, xray_wire.ASK, {**message, "line": "import os"}) is None
+    assert xray_wire.verified(key, challenge, xray_wire.ASK, request) is None  # unsigned
+    assert xray_wire.verified(key, challenge, xray_wire.ASK, ["not", "a", "request"]) is None
+
+
+def test_the_world_key_is_made_once_and_only_its_user_reads_it(tmp_path: Path) -> None:
+    key = xray_wire.world_key(str(tmp_path))
+    assert len(key) == xray_wire.KEY_BYTES
+    assert xray_wire.world_key(str(tmp_path)) == key
+    (path,) = tmp_path.iterdir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_ranks_here_are_reached_by_their_socket_and_ranks_elsewhere_over_tcp_with_the_key(tmp_path: Path) -> None:
+    def info(rank: int, host: str, address: tuple[str, int] | None) -> RankInfo:
+        return RankInfo(rank, rank, host, 100 + rank, "cpu", "cpu", None, xray_address=address)
+
+    here = socket.gethostname()
+    local = Reach.of(str(tmp_path), [info(0, here, None), info(1, here, None)])
+    assert local.remote == {} and local.key == b""
+    spread = Reach.of(str(tmp_path), [info(0, here, None), info(1, "node2", ("10.0.0.2", 4000))])
+    assert spread.remote == {1: ("10.0.0.2", 4000)}
+    assert spread.key == xray_wire.world_key(str(tmp_path))
+
 
 # ---------------------------------------------------------------- the verdict (pure logic)
 
