@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import channel
+from . import channel, torch_adapter
 from . import rank as rank_side
 
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
@@ -212,7 +212,7 @@ def rewrap_models(names: list[str]) -> None:
     for name in names:
         wrapper = namespace[name]
         kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
-        wrapper.reducer._remove_autograd_hooks()
+        torch_adapter.drop_ddp_hooks(wrapper)
         fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
         wrapper.__dict__.update(fresh.__dict__)
 
@@ -434,7 +434,7 @@ def _reshard_if_needed(model: torch.nn.Module) -> None:
     if sharding.mesh_size(model) == dist.get_world_size():
         # a survivor's model may have been mid-step when the peer died: torch's recovery for that
         # (on the root FSDP module; a tracked submodule of another sharded model has none to run)
-        if model._get_fsdp_state()._is_root is not False:
+        if torch_adapter.fsdp_is_root(model) is not False:
             model.reset_iter_state()
         return
     moved = sharding.reshard(model, rank_side.context().device)

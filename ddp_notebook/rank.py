@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from . import devices, layout, timing, xray_rank
+from . import devices, layout, timing, torch_adapter, xray_rank
 from .network import listen
 
 
@@ -127,7 +127,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     _publish_names(context)
     # after a heal: models wrapped by prepare_model move onto the new group
     for wrapper in list(_state["wrappers"]):
-        wrapper._update_process_group(dist.group.WORLD)
+        torch_adapter.move_ddp(wrapper, dist.group.WORLD)
     _regroup_sharded(dist.group.WORLD, registered=True)
     for sampler in list(_state["samplers"]):
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
@@ -261,7 +261,7 @@ def release_group() -> None:
     if wrappers:
         placeholder = _placeholder_group()
         for wrapper in wrappers:
-            wrapper._update_process_group(placeholder)
+            torch_adapter.move_ddp(wrapper, placeholder)
     if _user_namespace() and "torch.distributed.fsdp" in sys.modules:
         _regroup_sharded(_placeholder_group(), registered=False)
     close_rendezvous()
@@ -296,12 +296,7 @@ def _regroup_sharded(group: dist.ProcessGroup, registered: bool) -> None:
 
 
 def _placeholder_group() -> dist.ProcessGroup:
-    store = dist.HashStore()
-    group = dist.ProcessGroup(store, 0, 1)
-    backend = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=30))
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    return group
+    return torch_adapter.lone_gloo_group(datetime.timedelta(seconds=30))
 
 
 def _choose_device(backend: str, gpu: str | None = None, local_rank: int = 0) -> torch.device:

@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _composable_state
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from . import torch_adapter
 
 
 def is_sharded(model: Any) -> bool:
@@ -194,7 +195,7 @@ def regroup(modules: Iterable[FSDPModule], group: dist.ProcessGroup, registered:
     meshes: dict[int, DeviceMesh] = {}
     skipped: list[str] = []
     for module in modules:
-        param_group = module._get_fsdp_state()._fsdp_param_group
+        param_group = torch_adapter.fsdp_param_group(module)
         if param_group is None:
             continue
         for holder in (param_group, *param_group.fsdp_params):
@@ -298,8 +299,7 @@ def reshard(model: torch.nn.Module, device: torch.device) -> dict[int, torch.nn.
     model.__class__ = fresh.__class__
     model.__dict__ = fresh.__dict__
     # torch finds a module's FSDP state by the module object: give `model` the new one's
-    states = _composable_state._module_state_mapping
-    states[model] = states[fresh]
+    torch_adapter.share_fsdp_state(model, fresh)
     new = dict(model.named_parameters())
     return {id(param): new[name] for name, param in old.items()}
 

@@ -222,9 +222,9 @@ def _default_group_progress() -> tuple[int, int] | None:
     if group is None:
         return None
     try:
-        import torch
+        from .torch_adapter import flight_recorder
 
-        status = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(False, False))["pg_status"]
+        status = flight_recorder(entries=False)["pg_status"]
         mine = status[str(group)]
         return int(mine["last_enqueued_collective"]), int(mine["last_completed_collective"])
     except Exception:  # noqa: BLE001  (no status for it yet)
@@ -249,12 +249,13 @@ def _memory() -> dict[str, int]:
 
 def _flight_recorder_entries() -> list[dict[str, Any]]:
     try:
-        import torch
         import torch.distributed as dist
+
+        from .torch_adapter import flight_recorder
 
         if not dist.is_initialized():
             return []
-        dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+        dump = flight_recorder(entries=True)
     except Exception:  # noqa: BLE001  (no recorder in this build: nothing to report)
         return []
     default = [e for e in dump.get("entries", []) if _DEFAULT_GROUP in e.get("process_group", ())]

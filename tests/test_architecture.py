@@ -88,7 +88,7 @@ def test_no_import_circle() -> None:
 
 def test_leaf_modules_import_nothing_of_the_package() -> None:
     graph = import_graph()
-    for leaf in ("results", "state", "output", "ipp_adapter", "errors"):
+    for leaf in ("results", "state", "output", "ipp_adapter", "torch_adapter", "errors"):
         assert graph[f"ddp_notebook.{leaf}"] == set(), leaf
 
 
@@ -103,4 +103,26 @@ def test_ipyparallel_internals_only_in_the_adapter() -> None:
             continue
         text = path.read_text()
         offenders += [f"{path.name}: {private}" for private in _PRIVATE_IPYPARALLEL if private in text]
+    assert offenders == []
+
+
+# torch's private attributes this package reaches for, all in torch_adapter
+_PRIVATE_TORCH = (
+    "torch._C",
+    "_composable_state",
+    "._get_fsdp_state",
+    "._update_process_group",
+    "._remove_autograd_hooks",
+    "._register_backend",
+    "._set_default_backend",
+)
+
+
+def test_torch_internals_only_in_the_adapter() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "torch_adapter.py":
+            continue
+        text = path.read_text()
+        offenders += [f"{path.name}: {private}" for private in _PRIVATE_TORCH if private in text]
     assert offenders == []

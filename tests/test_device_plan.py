@@ -190,7 +190,9 @@ def test_a_gpu_rank_selects_its_gpu_before_any_other_cuda_call(tmp_path: Path) -
     # a one-rank group so that the device follows LOCAL_RANK, not RANK
     result = record_startup(tmp_path, "4,5", "--gpu", "5", "--local-rank", "1")
     assert_set_device_first(result, 1)
-    assert result["info"] == {"device": "cuda:1", "device_name": "Fake GPU 1", "backend": "nccl"}
+    # (a rank on the notebook's host serves no X-ray over TCP)
+    expected = {"device": "cuda:1", "device_name": "Fake GPU 1", "backend": "nccl", "xray_address": None}
+    assert result["info"] == expected
     assert result["published"] == {"rank": "0", "world_size": "1", "local_rank": "1", "device": "cuda:1"}
     assert result["helpers"] == {
         "model_to": "cuda:1",

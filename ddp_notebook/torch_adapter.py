@@ -1,0 +1,64 @@
+"""Every use of torch's private internals, in one place.
+
+torch offers no public way to do these few things: read the flight recorder as data, move a
+DDP model or an FSDP2 model onto another process group, make a one-rank gloo group without a
+store rendezvous, give a rebuilt FSDP2 module's state to the user's object. Each function is
+exercised by `tests/test_torch_adapter.py` (and the heal, comeback and X-ray tests that rely on
+it), and `pyproject.toml` bounds torch to the versions those tests cover: a torch that moves
+one of these fails there first. Runs on ranks; imported only where torch already is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def flight_recorder(entries: bool) -> dict[str, Any]:
+    """torch's flight recorder of this process as data: per group its status (`pg_status`: last
+    enqueued / completed sequence numbers) and, with `entries`, the recorded collectives."""
+    return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(entries, False))  # type: ignore[no-any-return]
+
+
+def move_ddp(wrapper: torch.nn.parallel.DistributedDataParallel, group: dist.ProcessGroup) -> None:
+    """Point a DDP model's reducer at `group` (its buckets and hooks are kept)."""
+    wrapper._update_process_group(group)
+
+
+def drop_ddp_hooks(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Unhook a DDP model's reducer from its parameters' gradients, before another reducer replaces it."""
+    wrapper.reducer._remove_autograd_hooks()
+
+
+def lone_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group of this rank alone on gloo, made without any rendezvous (and no name:
+    nothing registers it, so nothing keeps it alive but its holders)."""
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def fsdp_param_group(module: torch.nn.Module) -> Any:
+    """The parameter group FSDP2's `fully_shard` gave `module` (None where it holds no parameters
+    of its own): its `mesh_info`, and its `fsdp_params` with theirs."""
+    return module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+
+
+def fsdp_is_root(module: torch.nn.Module) -> bool | None:
+    """Whether FSDP2 made `module` the root of its sharded tree (None before its first forward)."""
+    return module._get_fsdp_state()._is_root  # type: ignore[operator, no-any-return]
+
+
+def share_fsdp_state(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Make torch find `source`'s FSDP2 state from `target` (torch keys it by the module object)."""
+    from torch.distributed import _composable_state
+
+    states = _composable_state._module_state_mapping
+    states[target] = states[source]
