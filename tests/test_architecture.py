@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "ddp_notebook"
 
 
@@ -92,37 +94,28 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
         assert graph[f"ddp_notebook.{leaf}"] == set(), leaf
 
 
-# ipyparallel's private attributes this package reaches for, all in ipp_adapter
-_PRIVATE_IPYPARALLEL = ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", ".stop_data")
+# the private attributes of each dependency this package reaches for, each set in its adapter
+_PRIVATE = {
+    "ipp_adapter.py": ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", "stop_data"),
+    "torch_adapter.py": (
+        "torch._C",
+        "_composable_state",
+        "._get_fsdp_state",
+        "._update_process_group",
+        "._remove_autograd_hooks",
+        "._register_backend",
+        "._set_default_backend",
+    ),
+}
 
 
-def test_ipyparallel_internals_only_in_the_adapter() -> None:
+@pytest.mark.parametrize("adapter", list(_PRIVATE))
+def test_a_dependencys_internals_only_in_its_adapter(adapter: str) -> None:
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "ipp_adapter.py":
+        if path.name == adapter:
             continue
         text = path.read_text()
-        offenders += [f"{path.name}: {private}" for private in _PRIVATE_IPYPARALLEL if private in text]
+        offenders += [f"{path.name}: {private}" for private in _PRIVATE[adapter] if private in text]
     assert offenders == []
-
-
-# torch's private attributes this package reaches for, all in torch_adapter
-_PRIVATE_TORCH = (
-    "torch._C",
-    "_composable_state",
-    "._get_fsdp_state",
-    "._update_process_group",
-    "._remove_autograd_hooks",
-    "._register_backend",
-    "._set_default_backend",
-)
-
-
-def test_torch_internals_only_in_the_adapter() -> None:
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.name == "torch_adapter.py":
-            continue
-        text = path.read_text()
-        offenders += [f"{path.name}: {private}" for private in _PRIVATE_TORCH if private in text]
-    assert offenders == []
+    assert all(private in (PACKAGE / adapter).read_text() for private in _PRIVATE[adapter]), "a stale entry"
