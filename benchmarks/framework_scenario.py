@@ -1,12 +1,15 @@
 """The `frameworks` scenario: steps/s of Lightning, Accelerate, the HF Trainer, FSDP2 and plain DDP
 in `%%ddp` cells of a real kernel, each paired with the same code under torchrun.
 
-Each round trains with one framework on both sides, one cell each (under torchrun: one job,
-`train_workload.py --exec`); the framework changes every round, in turn, and which side goes first
-alternates (the harness's pairing), so the two runs of a pair are seconds apart on a machine whose
-load changes by the minute. Ratios are per round: `%%ddp` over torchrun, then per framework. A
-second table gives rank 0's process CPU time per step over the same steps, which other work on the
-machine moves far less than steps/s.
+Each round trains with one framework on every side, one cell each: `%%ddp` in a kernel; torchrun
+as a fresh job per cell (`train_workload.py --exec`, a standalone script); and torchrun as one
+long-lived script whose processes run every cell in turn (`torchrun_served`), so that, like the
+ranks, they carry what the cells before imported and made (the other frameworks too). The
+framework changes every round, in turn, and the order of the sides rotates (the harness's
+pairing), so the runs of a round are seconds apart on a machine whose load changes by the minute.
+Ratios are per round: `%%ddp` over each torchrun, then per framework. A second table gives rank
+0's process CPU time per step over the same steps, which other work on the machine moves less
+than steps/s.
 """
 
 from __future__ import annotations
@@ -37,18 +40,19 @@ class Frameworks(Scenario):
     """Steps/s of each framework under `%%ddp` against the same code under torchrun."""
 
     name = "frameworks"
-    default_subjects = ("ddp_kernel", "torchrun")
+    default_subjects = ("ddp_kernel", "torchrun", "torchrun_served")
+    references = ("torchrun_served", "torchrun")
     repeats = 20  # rounds: 4 per framework
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
 
     def reference(self, name: str) -> str | None:
-        return "torchrun"
+        return "torchrun_served"
 
     def supports(self, name: str) -> str | None:
         if name not in self.default_subjects:
-            return "measured in %%ddp cells of a kernel (ddp_kernel) against torchrun only"
+            return "measured in %%ddp cells of a kernel (ddp_kernel) against torchrun (fresh and served) only"
         missing = [module for module in ("lightning", "accelerate", "transformers") if not _importable(module)]
         if missing:
             return f"not installed: {', '.join(missing)} (pip install -e '.[test]')"
@@ -85,43 +89,59 @@ class Frameworks(Scenario):
         rate, cpu, threads = sample["steps_per_s"], sample["cpu_ms_per_step"], sample["torch_threads"]
         return f"{sample['framework']} {rate:.1f} steps/s, {cpu:.2f} CPU ms/step ({threads} thread(s))"
 
+    def groups(self, active: list[str]) -> list[list[str]]:
+        return [active] if active else []  # every side in every round, the framework the same
+
     def report(self, results: dict[str, Any], s: Any) -> dict[str, Any]:
         summary: dict[str, Any] = {}
-        rows, cpu_rows = [], []
-        ours = next((n for n in results if n != "torchrun"), None)
-        everything: list[float] = []
+        ours = "ddp_kernel" if "ddp_kernel" in results else None
+        for reference in (name for name in self.references if name in results and ours):
+            print(f"-- %%ddp against {results[reference]['label']}")
+            summary[reference] = self._against(results, ours or "", reference, s)
+            print()
+        threads = {name: sorted({x["torch_threads"] for x in entry["samples"]}) for name, entry in results.items()}
+        print(f"torch threads per rank: {threads}; {s.steps} timed steps after {s.warmup} untimed per run")
+        summary["threads"] = threads
+        return summary
+
+    def _against(self, results: dict[str, Any], ours: str, theirs: str, s: Any) -> dict[str, Any]:
+        """The steps/s and CPU tables of `ours` against `theirs`, per framework, pair by pair."""
+        summary: dict[str, Any] = {}
+        rows, cpu_rows, everything = [], [], []
         for framework in s.frameworks or NAMES:
             only = {
                 name: {**entry, "samples": [x for x in entry["samples"] if x["framework"] == framework]}
                 for name, entry in results.items()
             }
-            entry: dict[str, Any] = {name: stats([x["steps_per_s"] for x in only[name]["samples"]]) for name in only}
-            ratios = paired(only, ours, "torchrun", lambda x: x["steps_per_s"]) if ours else []
+            row, ratios = _compare(only, ours, theirs, "steps_per_s")
+            cpu_row, cpu_ratios = _compare(only, ours, theirs, "cpu_ms_per_step")
             everything += ratios
-            mine, theirs = entry.get(ours or "", {}).get("median"), entry.get("torchrun", {}).get("median")
-            of_medians = mine / theirs if mine and theirs else None
-            entry |= {"ratio": stats(ratios), "ratio_of_medians": of_medians}
-            summary[framework] = entry
-            rows.append([LABELS[framework], mine, theirs, ratio_text(ratios), fmt(of_medians, 3), len(ratios)])
-            cpu = {name: stats([x["cpu_ms_per_step"] for x in only[name]["samples"]]) for name in only}
-            cpu_ratios = paired(only, ours, "torchrun", lambda x: x["cpu_ms_per_step"]) if ours else []
-            mine, theirs = cpu.get(ours or "", {}).get("median"), cpu.get("torchrun", {}).get("median")
-            cpu_of_medians = mine / theirs if mine and theirs else None
-            entry["cpu_ms_per_step"] = cpu | {"ratio": stats(cpu_ratios), "ratio_of_medians": cpu_of_medians}
-            cpu_rows.append(
-                [LABELS[framework], mine, theirs, ratio_text(cpu_ratios), fmt(cpu_of_medians, 3), len(cpu_ratios)]
-            )
-        header = ["x torchrun: pairs' median (range)", "of medians", "pairs"]
-        print_table(["steps/s, median", "%%ddp", "torchrun", *header], rows)
+            summary[framework] = {"steps_per_s": row, "cpu_ms_per_step": cpu_row}
+            rows.append([LABELS[framework], *_cells(row, ratios)])
+            cpu_rows.append([LABELS[framework], *_cells(cpu_row, cpu_ratios)])
+        header = [f"x {theirs}: pairs' median (range)", "of medians", "pairs"]
+        print_table(["steps/s, median", "%%ddp", theirs, *header], rows)
         print()
-        print_table(["rank 0 CPU ms/step, median", "%%ddp", "torchrun", *header], cpu_rows)
-        threads = {name: sorted({x["torch_threads"] for x in entry["samples"]}) for name, entry in results.items()}
-        print(f"torch threads per rank: {threads}; {s.steps} timed steps after {s.warmup} untimed per run")
-        summary["threads"] = threads
+        print_table(["rank 0 CPU ms/step, median", "%%ddp", theirs, *header], cpu_rows)
         if everything:
             summary["all_pairs"] = stats(everything)
             print(f"every pair, all frameworks: median {ratio_text(everything)} over {len(everything)} pairs")
         return summary
+
+
+def _compare(only: dict[str, Any], ours: str, theirs: str, key: str) -> tuple[dict[str, Any], list[float]]:
+    """Medians of `key` on both sides, the ratio of each round's pair, and the ratio of the medians."""
+    mine = stats([x[key] for x in only[ours]["samples"]]) if ours in only else {}
+    other = stats([x[key] for x in only[theirs]["samples"]]) if theirs in only else {}
+    ratios = paired(only, ours, theirs, lambda x: x[key])
+    a, b = mine.get("median"), other.get("median")
+    of_medians = a / b if a and b else None
+    return {"ours": mine, "theirs": other, "ratio": stats(ratios), "ratio_of_medians": of_medians}, ratios
+
+
+def _cells(row: dict[str, Any], ratios: list[float]) -> list[Any]:
+    of_medians = row["ratio_of_medians"]
+    return [row["ours"].get("median"), row["theirs"].get("median"), ratio_text(ratios), fmt(of_medians, 3), len(ratios)]
 
 
 def _importable(module: str) -> bool:

@@ -830,9 +830,11 @@ class Seeing(_BlocksOnTheRanks):
             print(f"   X-ray report on a rank: {report_us:.0f} us; 4 a second in a cell: {polling:.3%} of its time")
             if blocks.get("alone_with"):  # the hooks' own cost, measured in one process without collectives
                 alone = mean_interval([b / a for a, b in zip(blocks["alone_without"], blocks["alone_with"])])
-                per_step_us = (sum(blocks["alone_with"]) - sum(blocks["alone_without"])) / (
-                    len(blocks["alone_with"]) * s.block
-                ) * 1e6
+                per_step_us = (
+                    (sum(blocks["alone_with"]) - sum(blocks["alone_without"]))
+                    / (len(blocks["alone_with"]) * s.block)
+                    * 1e6
+                )
                 share = per_step_us / (step_ms["without"] * 1e3)
                 summary[name] |= {"alone_with_over_without": alone, "hooks_us_per_step": per_step_us}
                 print(

@@ -708,6 +708,35 @@ class TorchrunSubject(Subject):
         return [job.process.pid for job in jobs if job is not None and job.process.poll() is None]
 
 
+class TorchrunServedSubject(TorchrunSubject):
+    """torchrun running one long-lived script: each cell is the next block of code of the same
+    processes (`train_workload.py --serve`), so, like a rank, they keep everything the cells before
+    imported and made; the plain TorchrunSubject starts a fresh job per cell."""
+
+    name = "torchrun_served"
+    label = "torchrun (one long-lived script)"
+    stateless = False
+
+    def run(self, body: str, timeout: float, cell_timeout: float | None) -> Cell:
+        code = self.scratch / f"cell-{time.monotonic_ns()}.py"
+        code.write_text(body)
+        cell, seen = Cell(sent=time.time()), len(self.job.lines)
+        request = self.scratch / f"go-{self.requests}.json"
+        request.with_suffix(".tmp").write_text(json.dumps({"exec": str(code)}))
+        request.with_suffix(".tmp").rename(request)
+        self.requests += 1
+        deadline = time.monotonic() + timeout
+        try:
+            # the cell's own output may hold lines that look like results: wait for the job's own
+            while not self.job.result(max(0.0, deadline - time.monotonic())).get("done"):
+                pass
+            cell.returned, cell.status = time.time(), "ok"
+        except (TimeoutError, RuntimeError):
+            cell.status = "error" if self.job.process.poll() is not None else "timeout"
+        cell.outputs = self.job.lines[seen:]
+        return cell
+
+
 SUBJECTS: dict[str, type[Subject]] = {
     kind.name: kind
     for kind in (
@@ -719,6 +748,7 @@ SUBJECTS: dict[str, type[Subject]] = {
         DirectViewSubject,
         PxKernelSubject,
         TorchrunSubject,
+        TorchrunServedSubject,
         NbdistributedSubject,
         AccelerateSubject,
     )

@@ -251,7 +251,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--serve", type=Path, metavar="DIR", help="train once per DIR/go-<n>.json until DIR/stop")
+    parser.add_argument(
+        "--serve", type=Path, metavar="DIR", help="train (or run a cell file) once per DIR/go-<n>.json until DIR/stop"
+    )
     parser.add_argument("--exec", type=Path, metavar="FILE", dest="code", help="run FILE's code on every rank")
     args = parser.parse_args()
     if args.backend == "nccl":  # each rank on its own GPU before the first collective (cuda:LOCAL_RANK)
@@ -274,8 +276,11 @@ def _report(result: dict[str, Any]) -> None:
 
 
 def _serve(control: Path) -> None:
+    """Requests one after the other in this same process: {"steps", "warmup"} trains; {"exec": FILE}
+    runs FILE's code as the next cell of a long-lived script (one namespace for all of them)."""
     dist.barrier()
     _report({"ready": True, "t": time.time(), "torch_threads": torch.get_num_threads()})
+    namespace: dict[str, Any] = {"rank": dist.get_rank(), "__name__": "cell"}
     for index in itertools.count():
         request, deadline = control / f"go-{index}.json", time.monotonic() + WAIT_SECONDS
         while not request.exists():
@@ -284,7 +289,14 @@ def _serve(control: Path) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no request in {control} for {WAIT_SECONDS:g} s")
             time.sleep(POLL_SECONDS)
-        _report(train(**json.loads(request.read_text())))
+        asked = json.loads(request.read_text())
+        if "exec" in asked:
+            code = Path(asked["exec"])
+            exec(compile(code.read_text(), str(code), "exec"), namespace)
+            dist.barrier()  # every rank finished the cell
+            _report({"done": True})
+        else:
+            _report(train(**asked))
 
 
 if __name__ == "__main__":
