@@ -34,16 +34,22 @@ _KEY_FILE = "xray.key"
 REFUSED = "not authenticated: the request is not signed with the world's key"
 
 
+# read once per world: the notebook asks for the key with every reading, 4 times a second
+_keys: dict[str, bytes] = {}
+
+
 def world_key(directory: str) -> bytes:
     """The world's key, kept in its private directory (made there, mode 0600, on first use)."""
+    if directory in _keys:
+        return _keys[directory]
     path = Path(directory) / _KEY_FILE
     try:
-        return bytes.fromhex(path.read_text(encoding="ascii"))
+        key = bytes.fromhex(path.read_text(encoding="ascii"))
     except (OSError, ValueError):
-        pass
-    key = secrets.token_bytes(KEY_BYTES)
-    path.touch(mode=0o600)
-    path.write_text(key.hex(), encoding="ascii")
+        key = secrets.token_bytes(KEY_BYTES)
+        path.touch(mode=0o600)
+        path.write_text(key.hex(), encoding="ascii")
+    _keys[directory] = key
     return key
 
 
