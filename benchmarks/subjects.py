@@ -667,11 +667,15 @@ class TorchrunSubject(Subject):
         return {"ready_s": ready["t"] - began}
 
     def train(self, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
+        self._request({"steps": steps, "warmup": warmup})
+        return self.job.result(TRAIN_TIMEOUT)
+
+    def _request(self, payload: dict[str, Any]) -> None:
+        """Hand the served job its next request."""
         request = self.scratch / f"go-{self.requests}.json"
-        request.with_suffix(".tmp").write_text(json.dumps({"steps": steps, "warmup": warmup}))
+        request.with_suffix(".tmp").write_text(json.dumps(payload))
         request.with_suffix(".tmp").rename(request)  # whole, or not there
         self.requests += 1
-        return self.job.result(TRAIN_TIMEOUT)
 
     def run(self, body: str, timeout: float, cell_timeout: float | None) -> Cell:
         code = self.scratch / f"cell-{time.monotonic_ns()}.py"
@@ -721,10 +725,7 @@ class TorchrunServedSubject(TorchrunSubject):
         code = self.scratch / f"cell-{time.monotonic_ns()}.py"
         code.write_text(body)
         cell, seen = Cell(sent=time.time()), len(self.job.lines)
-        request = self.scratch / f"go-{self.requests}.json"
-        request.with_suffix(".tmp").write_text(json.dumps({"exec": str(code)}))
-        request.with_suffix(".tmp").rename(request)
-        self.requests += 1
+        self._request({"exec": str(code)})
         deadline = time.monotonic() + timeout
         try:
             # the cell's own output may hold lines that look like results: wait for the job's own

@@ -92,7 +92,7 @@ def init_world(spec: RankSpec) -> JoinReport:
         device_name=report["device_name"],
         backend=report["backend"],
         main_thread=report.get("main_thread"),
-        xray_address=tuple(report["xray_address"]) if report.get("xray_address") else None,  # type: ignore[arg-type]
+        xray_address=report.get("xray_address"),
     )
 
 

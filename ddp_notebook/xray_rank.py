@@ -293,12 +293,7 @@ def main_thread_frames() -> list[tuple[str, int, str]]:
 def _main_thread_cell_line() -> tuple[int | None, bool]:
     from .stacks import _is_cell
 
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    while frame is not None:
-        if _is_cell(frame.f_code.co_filename):
-            return frame.f_lineno, True
-        frame = frame.f_back
-    return None, False
+    return next(((line, True) for filename, line, _ in main_thread_frames() if _is_cell(filename)), (None, False))
 
 
 def release_connections() -> int:
