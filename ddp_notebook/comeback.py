@@ -124,10 +124,14 @@ def _regroup(
         )
     new_ranks = forming.join_process_group(client, config, world, stack_dir, deadline)
     engines = client[[info.engine_id for info in new_ranks.values()]]
-    # models every rank has (made by the setup cells) get fresh DDP reducers, in one order everywhere
-    held = engines.apply_async(rank_calls.wrapped_names).get(timeout=_remaining(deadline))
-    common = sorted(set.intersection(*(set(names) for names in held)))
-    engines.apply_async(rank_calls.rewrap_models, common).get(timeout=_remaining(deadline))
+    # models every rank has (made by the setup cells) get fresh DDP reducers, in one order
+    # everywhere, their buckets laid out as the survivors' (the same on each: DDP syncs them)
+    held = engines.apply_async(rank_calls.wrapped_models).get(timeout=_remaining(deadline))
+    common = sorted(set.intersection(*(set(models) for models in held)))
+    by_rank = dict(zip(new_ranks, held))
+    lead = by_rank[survivors[0].rank] if survivors else {}
+    layouts = {name: lead.get(name) for name in common}
+    engines.apply_async(rank_calls.rewrap_models, layouts).get(timeout=_remaining(deadline))
     resumed = _restore(client, new_ranks, [info.rank for info in survivors], deadline)
     return Comeback(new_ranks, time.perf_counter() - began, resumed)
 

@@ -195,25 +195,32 @@ def begin_replay(spec: dict[str, Any]) -> None:
     rank_side._publish_names(context)
 
 
-def wrapped_names() -> list[str]:
-    """Names in the rank's namespace that hold a model from `prepare_model`."""
-    wrappers = set(map(id, rank_side._state["wrappers"]))
-    return sorted(name for name, value in _namespace().items() if id(value) in wrappers)
+def wrapped_models() -> dict[str, list[list[int]] | None]:
+    """Names in the rank's namespace that hold a model from `prepare_model`, each with its gradient
+    buckets' layout (None where the reducer has not rebuilt them yet)."""
+    wrappers = {id(wrapper): wrapper for wrapper in rank_side._state["wrappers"]}
+    return {
+        name: torch_adapter.ddp_bucket_layout(wrappers[id(value)])
+        for name, value in sorted(_namespace().items())
+        if id(value) in wrappers
+    }
 
 
-def rewrap_models(names: list[str]) -> None:
+def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
     """Every rank at once, after a rank was replaced: the models these names hold (every rank has
-    them: the setup cells made them) get a fresh DDP reducer over the new group, in place.
+    them: the setup cells made them) get a fresh DDP reducer over the new group, in place, with
+    the gradient buckets laid out as given (a survivor's, so the next step sums as it would have).
 
     A survivor's reducer has rebuilt its gradient buckets long ago, a new rank's has not, and
     the rebuild is a collective: left as they are, the two would pair different collectives.
     """
     namespace = _namespace()
-    for name in names:
+    for name, layout in layouts.items():
         wrapper = namespace[name]
         kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
         torch_adapter.drop_ddp_hooks(wrapper)
-        fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
+        with torch_adapter.ddp_buckets(layout):
+            fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
         wrapper.__dict__.update(fresh.__dict__)
 
 

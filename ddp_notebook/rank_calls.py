@@ -162,18 +162,20 @@ def snapshot_numbers() -> list[int]:
     return elastic.snapshot_numbers() if elastic is not None else []
 
 
-def wrapped_names() -> list[str]:
-    """Names of the rank's namespace that hold a model from prepare_model."""
+def wrapped_models() -> dict[str, list[list[int]] | None]:
+    """Names of the rank's namespace that hold a model from prepare_model, with its gradient
+    buckets' layout (None before its reducer rebuilt them)."""
     from ddp_notebook import elastic
 
-    return elastic.wrapped_names()
+    return elastic.wrapped_models()
 
 
-def rewrap_models(names: list[str]) -> None:
-    """Every rank at once after a rank was replaced: fresh DDP reducers over the new group."""
+def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
+    """Every rank at once after a rank was replaced: fresh DDP reducers over the new group, their
+    buckets laid out as a survivor's."""
     from ddp_notebook import elastic
 
-    elastic.rewrap_models(names)
+    elastic.rewrap_models(layouts)
 
 
 def skip_cell_snapshot() -> None:

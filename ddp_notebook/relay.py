@@ -279,7 +279,7 @@ class CellRelay:
         for rank, stream, line in assembler.flush_all():
             sink.write(rank, stream, [line])
         sink.flush()
-        if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead:
+        if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead and not self._some_failed():
             clock.ending = Ending.INTERRUPTED
         if not self.dead and self.failures():
             # a rank lost on another host can reply (with ipyparallel's engine error) between two
@@ -307,8 +307,14 @@ class CellRelay:
         if now > clock.next_death_check and not self.dead:
             clock.next_death_check = now + DEATH_CHECK_SECONDS
             self.dead = supervisor.find_dead(self._ranks)
-            if self.dead and clock.stop_at is None:
-                clock.stop_at = now + DEATH_GRACE_SECONDS
+            if self.dead:
+                # only the dead rank's neighbours see its sockets close: the survivors still in a
+                # collective shut theirs, so none waits for the collective timeout
+                survivors = tuple(rank for rank in self.unfinished() if rank not in self.dead)
+                if survivors:
+                    supervisor.release_blocked(survivors)
+                if clock.stop_at is None:
+                    clock.stop_at = now + DEATH_GRACE_SECONDS
         return False
 
     def _draw_progress_lines(self, clock: _WaitClock, sink: OutputSink, assembler: LineAssembler) -> None:
@@ -374,9 +380,13 @@ class CellRelay:
             clock.release_at = now + RELEASE_AFTER_SECONDS
         if clock.release_at is not None and now > clock.release_at:
             finished, running = self._finished(), self.unfinished()
-            if finished and running:
+            if running:
+                # With more than 2 ranks gloo pairs ranks that never talk to the finished ones: a
+                # rank blocked on a blocked peer is freed only by shutting its own connections.
                 self.released = True
-                supervisor.release(finished)
+                if finished:
+                    supervisor.release(finished)
+                supervisor.release_blocked(running)
                 clock.stop_at = max(clock.stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
 
     def _stop_ranks(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:

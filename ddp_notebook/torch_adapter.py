@@ -10,8 +10,10 @@ one of these fails there first. Runs on ranks; imported only where torch already
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +29,37 @@ def flight_recorder(entries: bool) -> dict[str, Any]:
 def move_ddp(wrapper: torch.nn.parallel.DistributedDataParallel, group: dist.ProcessGroup) -> None:
     """Point a DDP model's reducer at `group` (its buckets and hooks are kept)."""
     wrapper._update_process_group(group)
+
+
+def ddp_bucket_layout(wrapper: torch.nn.parallel.DistributedDataParallel) -> list[list[int]] | None:
+    """The parameter indices in each of a DDP model's gradient buckets, as its reducer last rebuilt
+    them from the order gradients became ready (None before its first rebuild: the initial layout)."""
+    text = wrapper._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if not isinstance(text, str) or not text.strip():
+        return None
+    return [[int(index) for index in bucket.split()] for bucket in text.split(",")]
+
+
+@contextlib.contextmanager
+def ddp_buckets(layout: list[list[int]] | None) -> Iterator[None]:
+    """DDP models made inside start with their gradient buckets laid out as `layout` (from
+    `ddp_bucket_layout`) instead of the initial one. Where a bucket holds other parameters, or the
+    same ones in another order, the all-reduce sums them in another order across 3+ ranks: not
+    the same bits."""
+    if layout is None:
+        yield
+        return
+    compute = dist._compute_bucket_assignment_by_size
+
+    def assign(parameters: Any, limits: list[int], *args: Any) -> tuple[list[list[int]], list[int]]:
+        # DDP hands the reducer its buckets reversed (the order gradients usually become ready)
+        return [list(bucket) for bucket in reversed(layout)], [max(limits)] * len(layout)
+
+    dist._compute_bucket_assignment_by_size = assign
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
 
 
 def drop_ddp_hooks(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
