@@ -76,8 +76,11 @@ def main_thread_frames(dump: str, main_thread_id: int) -> list[tuple[str, int, s
     return []
 
 
-def describe_stuck_rank(frames: list[tuple[str, int, str]]) -> str:
-    """One line per rank: in which collective it waits, or what it is doing instead."""
+def describe_stuck_rank(frames: list[tuple[str, int, str]], in_flight: bool = False) -> str:
+    """One line per rank: in which collective it waits, or what it is doing instead.
+
+    `in_flight`: the rank's X-ray sees a collective of its own under way. One started from C++
+    (DDP's gradient all-reduce, inside backward) has no torch.distributed frame to name it."""
     if not frames:
         return "no stack (the rank did not answer)"
     in_collective = next((f for f in frames if _COLLECTIVE_PATH.search(f[0])), None)
@@ -87,6 +90,8 @@ def describe_stuck_rank(frames: list[tuple[str, int, str]]) -> str:
     where = f"cell line {user[1]}" if user else f"{Path(frames[0][0]).name}:{frames[0][1]}"
     if in_collective is not None:
         return f"waiting in torch.distributed.{in_collective[2]} (at {where})"
+    if in_flight:
+        return f"waiting in a collective started by {frames[0][2]} (at {where})"
     return f"running {frames[0][2]} (at {where}), never reached the collective"
 
 

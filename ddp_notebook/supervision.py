@@ -156,7 +156,7 @@ class WorldSupervisor:
             reading = readings.get(rank)
             current = reading.current if reading is not None else None
             seen = f"; {current.describe()} for {reading.waited:.1f} s" if reading and current else ""
-            lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames)}{seen}")
+            lines.append(f"rank {rank}: {stacks.describe_stuck_rank(frames, current is not None)}{seen}")
         return "\n".join(lines)
 
     def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:

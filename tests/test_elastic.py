@@ -1,7 +1,8 @@
-"""A dead rank comes back with the tracked state: real 2-rank gloo worlds, real SIGKILLs."""
+"""A dead rank comes back with the tracked state: real gloo worlds of 2, 3 and 4 ranks, real SIGKILLs."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def _reference(world: DDPCluster, wrap: str) -> tuple[list[torch.Tensor], list[l
     world.execute(_build("ref_", wrap, DROP))
     _train(world, "ref_")
     reference = _params(world, "ref_")
-    assert _bitwise_equal(reference[0], reference[1])
+    assert all(_bitwise_equal(reference[0], reference[rank]) for rank in reference)
     return reference[0], world.pull("ref_seen", ranks=[0])[0]
 
 
@@ -90,23 +91,51 @@ def _ends_like(world: DDPCluster, reference: list[torch.Tensor], reference_seen:
         assert _bitwise_equal(params[rank], reference), f"rank {rank} differs from the uninterrupted run"
     seen = world.pull("seen")
     assert all(log == reference_seen for log in seen.values())
-    _each_sample_once_per_epoch(seen[0])
+    _each_sample_once_per_epoch(seen[0], world.world_size)
 
 
 def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _each_sample_once_per_epoch(seen: list[list[int]]) -> None:
-    steps_per_epoch = len(seen) // EPOCHS
+def _steps_per_epoch(size: int) -> int:
+    return math.ceil(math.ceil(SAMPLES / size) / 4)  # batches of 4 of each rank's shard
+
+
+def _padded(size: int) -> int:
+    """Samples in an epoch: DistributedSampler repeats a few to give every rank as many."""
+    return math.ceil(SAMPLES / size) * size
+
+
+def _each_sample_once_per_epoch(seen: list[list[int]], size: int) -> None:
+    steps_per_epoch = _steps_per_epoch(size)
     assert len(seen) == steps_per_epoch * EPOCHS
     for epoch in range(EPOCHS):
         used = sorted(i for step in seen[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch] for i in step)
-        assert used == list(range(SAMPLES)), f"epoch {epoch}: samples used {used}"
+        assert sorted(set(used)) == list(range(SAMPLES)) and len(used) == _padded(size), f"epoch {epoch}: {used}"
 
 
-def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
-    with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
+def _everyone(world: DDPCluster, value: object) -> dict[int, object]:
+    return {rank: value for rank in range(world.world_size)}
+
+
+# (world size, the rank killed mid-epoch): the middle or the last; rank 0 is killed after
+COMEBACKS = [
+    pytest.param(2, 1, id="2ranks-last"),
+    pytest.param(3, 1, id="3ranks-middle"),
+    pytest.param(4, 3, id="4ranks-last"),
+]
+SHARDED_COMEBACKS = [
+    pytest.param(2, 1, id="2ranks-last"),
+    pytest.param(3, 2, id="3ranks-last"),
+    pytest.param(4, 2, id="4ranks-middle"),
+]
+
+
+@pytest.mark.parametrize(("size", "victim"), COMEBACKS)
+def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None, size: int, victim: int) -> None:
+    kill_at = _steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
+    with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
         reference, reference_seen = _reference(world, DDP)
         world.execute(_build("", DDP, DROP) + TRACK, setup=True)
         world.execute("untracked = 'kept'")
@@ -114,21 +143,21 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
         # snapshot's number means the same point on every rank (survivors must share one)
         world.execute("alone = True", ranks=[0])
         numbers = world.execute("from ddp_notebook import elastic\nelastic.snapshot_numbers()", stream=False)
-        assert numbers.value_text(0) == numbers.value_text(1)
+        assert len({numbers.value_text(rank) for rank in range(size)}) == 1
         survivor_pid = world.ranks[0].pid
-        # rank 1 dies mid-epoch (epoch 1, step 11 of 16); the world is back without any call
+        # the victim dies mid-epoch (epoch 1); the world is back without any call
         with pytest.raises(RankDiedError) as caught:
-            _train(world, "", kill_rank=1, kill_at=11)
+            _train(world, "", kill_rank=victim, kill_at=kill_at)
         message = str(caught.value)
-        assert message.startswith("rank 1 was killed by SIGKILL. Rank 1 came back in ")
-        assert "the snapshot taken at epoch 1, batch 3" in message  # snapshot_every=3, 8 steps an epoch
+        assert message.startswith(f"rank {victim} was killed by SIGKILL. Rank {victim} came back in ")
+        assert "the snapshot taken at epoch 1, batch 3" in message  # snapshot_every=3
         assert world.state == "healthy" and not world.broken and world.restarts == 1
         assert world.ranks[0].pid == survivor_pid and world.last_comeback_seconds is not None
-        assert world.pull("step") == {0: 11, 1: 11}  # the snapshot after step 11, taken before rank 1 died
-        assert world.pull("untracked", ranks=[0]) == {0: "kept"}  # the survivor keeps its other variables...
+        assert world.pull("step") == _everyone(world, kill_at)  # the snapshot after that step, taken before the death
+        assert world.pull("untracked", ranks=[0]) == {0: "kept"}  # the survivors keep their other variables...
         with pytest.raises(Exception, match="'untracked' is not defined on rank"):
-            world.pull("untracked", ranks=[1])  # ...the new rank has what the setup cells made
-        assert world.pull("data", ranks=[1])[1] is not None
+            world.pull("untracked", ranks=[victim])  # ...the new rank has what the setup cells made
+        assert world.pull("data", ranks=[victim])[victim] is not None
 
         _train(world, "")  # the same cell again continues from the snapshot
         _ends_like(world, reference, reference_seen)
@@ -140,12 +169,15 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
         ):
             world.execute(KILL.format(rank=0))
         after = _params(world, "")
-        assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
-        assert world.execute("dist.get_world_size()", stream=False).value_text(0) == "2"
+        assert all(_bitwise_equal(after[rank], params[0]) for rank in range(size))
+        assert world.execute("dist.get_world_size()", stream=False).value_text(0) == str(size)
 
         # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
-        with pytest.raises(RankDiedError, match=r"rank 1 was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"):
-            world.execute(KILL.format(rank=1))
+        last = size - 1
+        with pytest.raises(
+            RankDiedError, match=rf"rank {last} was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"
+        ):
+            world.execute(KILL.format(rank=last))
         assert world.state == "broken"
         with pytest.raises(WorldBrokenError):
             world.execute("1")
@@ -153,24 +185,29 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
     assert wait_gone(pids) == []
 
 
-def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_equal(no_leaks: None) -> None:
+@pytest.mark.parametrize(("size", "victim"), SHARDED_COMEBACKS)
+def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_equal(
+    no_leaks: None, size: int, victim: int
+) -> None:
     """The same for an FSDP2 model: the new rank replays the setup cells alone (a one-rank mesh),
     is sharded again over the world, and every rank loads the gathered snapshot."""
-    with DDPCluster(2, backend="gloo", timeout=60, max_restarts=2) as world:
+    kill_at = _steps_per_epoch(size) + 3
+    with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
         reference, reference_seen = _reference(world, FSDP)
         world.execute(_build("", FSDP, DROP) + TRACK, setup=True)
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
         world.execute("from ddp_notebook import elastic\nkept = [s.where for s in elastic._snapshots]")
-        assert world.pull("kept") == {0: ["the end of a cell"], 1: ["the end of a cell"]}
+        assert world.pull("kept") == _everyone(world, ["the end of a cell"])
         # a cell that left the model and optimizer as they were: each rank snapshots alone, reusing the gathered copy
         world.execute("reused = elastic._snapshots[-1].state['model'] is elastic._snapshots[-2].state['model']")
-        assert world.pull("reused") == {0: True, 1: True}
+        assert world.pull("reused") == _everyone(world, True)
         numbers = world.execute("elastic.snapshot_numbers()", stream=False)
-        assert numbers.value_text(0) == numbers.value_text(1) == "[2, 3]"
-        back = r"^rank 1 was killed by SIGKILL\. Rank 1 came back in .*the snapshot taken at epoch 1, batch 3"
+        assert {numbers.value_text(rank) for rank in range(size)} == {"[2, 3]"}
+        back = rf"^rank {victim} was killed by SIGKILL\. Rank {victim} came back in "
+        back += ".*the snapshot taken at epoch 1, batch 3"
         with pytest.raises(RankDiedError, match=back):
-            _train(world, "", kill_rank=1, kill_at=11)
-        assert world.state == "healthy" and world.pull("step") == {0: 11, 1: 11}
+            _train(world, "", kill_rank=victim, kill_at=kill_at)
+        assert world.state == "healthy" and world.pull("step") == _everyone(world, kill_at)
         _spans_the_world(world, FSDP)
 
         _train(world, "")  # the same cell again continues from the snapshot
@@ -182,7 +219,7 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
         with pytest.raises(RankDiedError, match=back):
             world.execute(KILL.format(rank=0))
         after = _params(world, "")
-        assert _bitwise_equal(after[0], params[0]) and _bitwise_equal(after[1], params[0])
+        assert all(_bitwise_equal(after[rank], params[0]) for rank in range(size))
         _spans_the_world(world, FSDP)
         pids = world.all_pids
     assert wait_gone(pids) == []
@@ -245,47 +282,60 @@ def _spans_the_world(world: DDPCluster, wrap: str) -> None:
     assert world.pull("optimizes_model") == {rank: True for rank in everyone}
 
 
+# (from, to): each world size grows by one rank and goes back; 4 ranks (this machine's most
+# without force) shrinks by one and grows back
+RESIZES = [pytest.param(2, 3, id="2-3-2"), pytest.param(3, 4, id="3-4-3"), pytest.param(4, 3, id="4-3-4")]
+
+
 @pytest.mark.parametrize("wrap", [DDP, FSDP])
-def test_a_world_grows_from_2_to_3_ranks_and_shrinks_back(no_leaks: None, wrap: str) -> None:
-    with DDPCluster(2, backend="gloo", timeout=60) as world:
+@pytest.mark.parametrize(("size", "other"), RESIZES)
+def test_a_world_resized_and_back_keeps_training_as_one_process_would(
+    no_leaks: None, wrap: str, size: int, other: int
+) -> None:
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
         world.execute(_build("", wrap, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
-        _train(world, "")  # two epochs at 2 ranks
+        _train(world, "")  # two epochs at `size` ranks
         before = _params(world, "")
-        assert world.pull("step") == {0: 16, 1: 16}
-        survivors = [info.pid for info in world.ranks]
+        trained = EPOCHS * _steps_per_epoch(size)
+        assert world.pull("step") == _everyone(world, trained)
+        kept = min(size, other)
+        survivors = [info.pid for info in world.ranks][:kept]
+        leaving = [info.pid for info in world.ranks][other:]
 
-        assert world.resize(3) > 0
-        assert world.world_size == 3 and world.config.n_ranks == 3
-        assert [info.pid for info in world.ranks][:2] == survivors
-        assert world.pull("world_size") == {0: 3, 1: 3, 2: 3}
-        assert world.pull("untracked", ranks=[0, 1]) == {0: 0, 1: 10}  # survivors keep their variables
-        assert world.pull("step") == {0: 16, 1: 16, 2: 16}  # the new rank got the tracked state...
+        assert world.resize(other) > 0
+        assert world.world_size == other and world.config.n_ranks == other
+        assert [info.pid for info in world.ranks][:kept] == survivors and wait_gone(leaving) == []
+        assert world.pull("world_size") == _everyone(world, other)
+        # the ranks that stay keep their variables
+        assert world.pull("untracked", ranks=range(kept)) == {rank: rank * 10 for rank in range(kept)}
+        assert world.pull("step") == _everyone(world, trained)  # a new rank got the tracked state...
         grown = _params(world, "")
-        for rank in (0, 1, 2):
+        for rank in range(other):
             assert _bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
         _spans_the_world(world, wrap)
 
-        # a third epoch at 3 ranks: every sample once (64 over 3 ranks: 2 repeated to even the shards)
+        # a third epoch at `other` ranks: every sample once (a few repeated to even the shards)
         _train(world, "", epochs=3)
         seen = world.pull("seen")
-        assert seen[0] == seen[1] == seen[2]
-        third = [i for step in seen[0][16:] for i in step]  # 6 steps: 22 samples a rank, 4 a batch
-        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == 66
-        grown = _params(world, "")
-        assert _bitwise_equal(grown[0], grown[1]) and _bitwise_equal(grown[0], grown[2])
-        assert not _bitwise_equal(grown[0], before[0])  # it trained
+        assert all(seen[rank] == seen[0] for rank in range(other))
+        third = [i for step in seen[0][trained:] for i in step]
+        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == _padded(other)
+        resized = _params(world, "")
+        assert all(_bitwise_equal(resized[rank], resized[0]) for rank in range(other))
+        assert not _bitwise_equal(resized[0], before[0])  # it trained
 
-        leaving = world.ranks[2].pid
-        assert world.resize(2) > 0
-        assert world.world_size == 2 and wait_gone([leaving]) == []
-        assert world.pull("world_size") == {0: 2, 1: 2}
+        leaving = [info.pid for info in world.ranks][size:]
+        assert world.resize(size) > 0
+        assert world.world_size == size and wait_gone(leaving) == []
+        assert world.pull("world_size") == _everyone(world, size)
         _train(world, "", epochs=4)
         seen = world.pull("seen")
-        fourth = sorted(i for step in seen[0][16 + 6 :] for i in step)
-        assert fourth == list(range(SAMPLES))
+        fourth = [i for step in seen[0][trained + _steps_per_epoch(other) :] for i in step]
+        assert sorted(set(fourth)) == list(range(SAMPLES)) and len(fourth) == _padded(size)
         after = _params(world, "")
-        assert _bitwise_equal(after[0], after[1]) and not _bitwise_equal(after[0], grown[0])
+        assert all(_bitwise_equal(after[rank], after[0]) for rank in range(size))
+        assert not _bitwise_equal(after[0], resized[0])
         _spans_the_world(world, wrap)
         # momentum and position carried through both resizes: as one process on the same samples
         for got, expected in zip(after[0], _trained_in_one_process(seen[0])):

@@ -34,3 +34,19 @@ def test_a_rank_elsewhere_and_an_idle_rank() -> None:
     idle = [("/usr/lib/python3.11/selectors.py", 468, "select")]
     assert describe_stuck_rank(idle) == "idle (not running a cell)"
     assert describe_stuck_rank([]) == "no stack (the rank did not answer)"
+
+
+def test_a_rank_in_a_collective_started_from_cpp_is_waiting_not_running() -> None:
+    # DDP's gradient all-reduce starts inside backward: no torch.distributed frame, but the
+    # rank's X-ray sees its collective under way
+    backward = [
+        ("/site-packages/torch/autograd/graph.py", 829, "_engine_run_backward"),
+        ("/site-packages/torch/autograd/__init__.py", 347, "backward"),
+        ("/tmp/ipykernel_1/3.py", 5, "<module>"),
+    ]
+    assert describe_stuck_rank(backward, in_flight=True) == (
+        "waiting in a collective started by _engine_run_backward (at cell line 5)"
+    )
+    assert describe_stuck_rank(backward) == (
+        "running _engine_run_backward (at cell line 5), never reached the collective"
+    )
