@@ -35,8 +35,8 @@ MEMORY_CHECK_SECONDS = 1.0
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
 DEATH_GRACE_SECONDS = 3.0
 # after a rank failed (or the ranks were interrupted), how long the others may keep running
-# before the finished ranks let go of the process group, releasing peers blocked in it
-RELEASE_AFTER_SECONDS = 1.0
+# before the finished ranks let go of the process group and the running ones shut their side
+RELEASE_AFTER_SECONDS = 0.5
 # once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
 COLLECTIVES_CHECK_SECONDS = 0.25
 # after ranks in mismatched collectives were released, how long they get to fail and reply (they
