@@ -225,24 +225,26 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
     assert wait_gone(pids) == []
 
 
+@pytest.mark.parametrize("size", [2, 3, 4], ids=lambda size: f"{size}ranks")
 def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_message(
-    no_leaks: None, tmp_path: Path
+    no_leaks: None, tmp_path: Path, size: int
 ) -> None:
     trap = tmp_path / "die-on-replay"
     setup = f"import os, signal\nif os.path.exists({str(trap)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)"
-    with DDPCluster(2, backend="gloo", timeout=60) as world:
+    last = size - 1
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
         world.execute(setup, setup=True)
-        # a survivor still running its cell is interrupted: the comeback does not wait for it to end
+        # survivors still running their cell are interrupted: the comeback does not wait for them to end
         began = time.monotonic()
-        with pytest.raises(RankDiedError, match="Rank 1 came back in"):
-            world.execute("import os, time\nif rank == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(99)")
+        with pytest.raises(RankDiedError, match=f"Rank {last} came back in"):
+            world.execute(f"import os, time\nif rank == {last}:\n    os.kill(os.getpid(), 9)\ntime.sleep(99)")
         assert time.monotonic() - began < 60 and world.state == "healthy"
         trap.write_text("")
         with pytest.raises(RankDiedError) as caught:
-            world.execute(KILL.format(rank=1))
+            world.execute(KILL.format(rank=last))
         assert str(caught.value) == (
-            "rank 1 was killed by SIGKILL. bringing it back failed: the new rank 1 was killed by SIGKILL in setup "
-            "cell 1 of 1; its state is lost; %ddp_restart (or restart()) starts a full world again"
+            f"rank {last} was killed by SIGKILL. bringing it back failed: the new rank {last} was killed by SIGKILL "
+            "in setup cell 1 of 1; its state is lost; %ddp_restart (or restart()) starts a full world again"
         )
         assert world.state == "broken"
         pids = world.all_pids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -106,10 +107,19 @@ def kernel_world_pids(kernel: Kernel) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None:
-    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+SIZES = [pytest.param(size, id=f"{size}ranks") for size in (2, 3, 4)]
+
+
+def _outs(out: str, values: dict[int, object]) -> bool:
+    return all(f"[rank {rank}] Out: {value}" in out for rank, value in values.items())
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(kernel: Kernel, size: int) -> None:
+    out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {size}")
     assert error is None, out
     pids = kernel_world_pids(kernel)
+    everyone = range(size)
     kernel.run("%%ddp\nkept = rank + 40")
     began = time.monotonic()
     out, error = kernel.run(
@@ -120,7 +130,17 @@ def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None
     assert "interrupted" in out
     out, error = kernel.run("%%ddp\nkept + 2")
     assert error is None, out
-    assert "[rank 0] Out: 42" in out and "[rank 1] Out: 43" in out
+    assert _outs(out, {rank: 42 + rank for rank in everyone}), out
+
+    # rank 0 raises while the others wait for it in a collective: the root cause, never an interrupt
+    began = time.monotonic()
+    raising = "%%ddp\nx = torch.ones(1)\nif rank == 0:\n    raise ValueError('first')\ndist.all_reduce(x)"
+    out, error = kernel.run(raising)
+    assert time.monotonic() - began < 10
+    assert error == "RankError", out
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)  # the rank's traceback comes in colour
+    assert "rank 0 failed first (root cause)" in plain and "ValueError: first" in plain, plain
+    assert "the process group was set up again" in out
 
     # rank 0 blocked inside a collective (which SIGINT cannot break) while rank 1 sleeps
     began = time.monotonic()
@@ -134,36 +154,38 @@ def test_interrupt_stops_the_ranks_and_keeps_their_state(kernel: Kernel) -> None
     assert "the process group was set up again" in out
     out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item())")
     assert error is None, out
-    assert "[rank 0] Out: (40, 2.0)" in out and "[rank 1] Out: (41, 2.0)" in out
+    assert _outs(out, {rank: (40 + rank, float(size)) for rank in everyone}), out
     out, _ = kernel.run("%ddp_stop")
     assert "stopped the world" in out
     assert wait_gone(pids) == []
 
 
-def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel) -> None:
-    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+@pytest.mark.parametrize("size", SIZES)
+def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel, size: int) -> None:
+    out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {size}")
     assert error is None, out
     old = kernel_world_pids(kernel)
     out, error = kernel.run("%%ddp --setup\nstep = 0\nddp_notebook.track(step=step)")
     assert error is None, out
     out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
     assert error is None, out
+    last = size - 1
     began = time.monotonic()
     out, error = kernel.run(
-        "%%ddp\nimport os, time\nx = torch.ones(1)\nstep = 6\nif rank == 1:\n    os._exit(9)\ndist.all_reduce(x)"
+        f"%%ddp\nimport os, time\nx = torch.ones(1)\nstep = 6\nif rank == {last}:\n    os._exit(9)\ndist.all_reduce(x)"
     )
     assert time.monotonic() - began < 20
     assert error == "RankDiedError", out
-    assert "rank 1 exited with code 9. Rank 1 came back in " in out
+    assert f"rank {last} exited with code 9. Rank {last} came back in " in out
     assert "every rank is back at the snapshot taken at the end of a cell" in out
     out, error = kernel.run("%ddp_status")
     assert "healthy" in out and " gone " not in out, out
     out, error = kernel.run("%%ddp\nprint('step', step)")
-    assert error is None and "[rank 0] step 5" in out and "[rank 1] step 5" in out, out
+    assert error is None and all(f"[rank {rank}] step 5" in out for rank in range(size)), out
     out, error = kernel.run("%ddp_restart")
-    assert error is None and "DDP world ready: 2 ranks" in out, out
+    assert error is None and f"DDP world ready: {size} ranks" in out, out
     out, error = kernel.run("%%ddp\nrank * 3")
-    assert error is None and "[rank 1] Out: 3" in out, out
+    assert error is None and f"[rank {last}] Out: {last * 3}" in out, out
     new = kernel_world_pids(kernel)
     kernel.run("%ddp_stop")
     assert wait_gone(sorted(set(old) | set(new))) == []
