@@ -51,11 +51,10 @@ from .outcome import CellOutcome, breaks_process_group
 from .relay import CellRelay, OutputSink
 from .results import CellResult, MemoryReading, RankInfo, RankStatus
 from .state import WorldLifecycle, WorldState
-from .supervision import WorldSupervisor
+from .supervision import RELEASE_SECONDS, WorldSupervisor
 from .syntax import check_syntax
 
 LEAVE_GROUP_SECONDS = 3.0
-RELEASE_SECONDS = 30.0
 PULL_SECONDS = 60.0
 
 

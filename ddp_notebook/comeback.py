@@ -16,11 +16,11 @@ from typing import Any
 from . import forming, layout, rank_calls
 from .config import WorldConfig
 from .errors import DDPError, one_line
+from .processes import DEATH_CHECK_SECONDS
 from .provisioning import Provisioner
 from .results import RankInfo
 
 POLL_SECONDS = 0.05
-DEATH_CHECK_SECONDS = 0.25
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,8 @@ OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit
 OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
 SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
 PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
+# how often a wait on ranks (a running cell, a comeback) checks that their processes are alive
+DEATH_CHECK_SECONDS = 0.25
 
 
 def owner_environment() -> dict[str, str]:

@@ -21,6 +21,7 @@ from .errors import RankFailure, one_line
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
+from .processes import DEATH_CHECK_SECONDS
 from .results import SNAPSHOT_OWED_KEY, CellResult, MemoryReading
 from .xray import Mismatch, MismatchWatch, RankCollectives
 
@@ -28,8 +29,6 @@ from .xray import Mismatch, MismatchWatch, RankCollectives
 INTERRUPT_GRACE_SECONDS = 5.0
 # after every rank replied, how long to wait for the tail of its output
 OUTPUT_DRAIN_SECONDS = 2.0
-# how often a running cell checks that its ranks' processes are alive
-DEATH_CHECK_SECONDS = 0.25
 # how often a running cell reads its ranks' memory against their limit (a few small files)
 MEMORY_CHECK_SECONDS = 1.0
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)

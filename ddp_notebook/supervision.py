@@ -20,7 +20,8 @@ from .provisioning import Provisioner
 from .results import MemoryReading, RankInfo
 
 log = logging.getLogger("ddp_notebook")
-RELEASE_SECONDS = 10.0
+# how long ranks get to let go of their process group (models move to a placeholder group first)
+RELEASE_SECONDS = 30.0
 
 
 class MemoryWatch:

@@ -174,9 +174,7 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
 
         # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
         last = size - 1
-        with pytest.raises(
-            RankDiedError, match=rf"rank {last} was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"
-        ):
+        with pytest.raises(RankDiedError, match=rf"rank {last} was killed by SIGKILL\. .*max_restarts=2.*%ddp_restart"):
             world.execute(KILL.format(rank=last))
         assert world.state == "broken"
         with pytest.raises(WorldBrokenError):

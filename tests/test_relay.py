@@ -1,0 +1,159 @@
+"""CellRelay.wait against a fake supervisor and fake message futures: when the wait releases which
+ranks, and how it ends. No processes (the integration tests run the same paths on real ranks)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_notebook.outcome import Ending
+from ddp_notebook.relay import CellRelay, OutputSink
+from ddp_notebook.results import CellResult, MemoryReading
+from ddp_notebook.xray import RankCollectives
+
+
+@dataclass
+class FakeOutput:
+    metadata: dict[str, Any] = field(default_factory=lambda: {"status": None})
+
+
+@dataclass
+class FakeFuture:
+    """One rank's message future: done once the rank replied."""
+
+    finished: bool = False
+    output: FakeOutput = field(default_factory=FakeOutput)
+
+    def done(self) -> bool:
+        return self.finished
+
+    def result(self) -> dict[str, Any]:
+        return {"content": {"status": self.output.metadata["status"]}}
+
+
+class FakeCell:
+    """The AsyncResult of a cell on `size` ranks (what ipp_adapter.message_futures reads)."""
+
+    def __init__(self, size: int) -> None:
+        self._children = [FakeFuture() for _ in range(size)]
+
+    def ready(self) -> bool:
+        return all(child.finished for child in self._children)
+
+
+class Ranks:
+    """The ranks' side: each may reply (ok or raising); the relay's queue hears it."""
+
+    def __init__(self, relay: CellRelay, cell: FakeCell) -> None:
+        self.relay, self.cell = relay, cell
+
+    def reply(self, rank: int, error: str | None = None) -> None:
+        child = self.cell._children[rank]
+        child.finished = True
+        if error is not None:
+            child.output.metadata.update(status="error", error=_Remote("RuntimeError", error))
+        else:
+            child.output.metadata["status"] = "ok"
+        self.relay._queue.put(("idle", rank))
+        if self.cell.ready():
+            self.relay._queue.put(("replied",))
+
+
+@dataclass
+class _Remote:
+    ename: str
+    evalue: str
+    traceback: list[str] = field(default_factory=list)
+
+
+class FakeSupervisor:
+    """Records what the relay asks; shutting a rank's connections makes it fail out of its collective."""
+
+    def __init__(self, ranks: Ranks, dead: dict[int, str] | None = None) -> None:
+        self.ranks = ranks
+        self.dead = dead or {}
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def interrupt(self, ranks: tuple[int, ...]) -> None:
+        self.calls.append(("interrupt", ranks))
+
+    def find_dead(self, ranks: tuple[int, ...]) -> dict[int, str]:
+        return dict(self.dead)
+
+    def where_stuck(self, ranks: tuple[int, ...]) -> str:
+        return ""
+
+    def release(self, ranks: tuple[int, ...]) -> None:
+        self.calls.append(("release", ranks))
+
+    def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
+        return None
+
+    def collectives(self, ranks: tuple[int, ...]) -> dict[int, RankCollectives]:
+        return {}
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        self.calls.append(("release_blocked", ranks))
+        for rank in ranks:
+            self.ranks.reply(rank, "Connection closed by peer")
+
+    def debug(self, rank: int) -> None:
+        raise AssertionError("no rank waits in pdb here")
+
+
+class StuckElsewhere(FakeSupervisor):
+    """Its running ranks are in no collective: shutting their connections does not end them."""
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        self.calls.append(("release_blocked", ranks))
+
+
+def _relay(size: int) -> tuple[CellRelay, FakeCell, Ranks]:
+    relay = CellRelay(client=None, ranks=tuple(range(size)))
+    cell = FakeCell(size)
+    relay._async_result = cell  # what attach() sets; its callbacks are ipyparallel's, not tested here
+    return relay, cell, Ranks(relay, cell)
+
+
+def _sink() -> OutputSink:
+    return OutputSink(io.StringIO(), io.StringIO(), CellResult(ranks=()))
+
+
+def test_a_raise_at_4_ranks_releases_the_finished_rank_and_every_rank_still_running() -> None:
+    relay, _, ranks = _relay(4)
+    supervisor = FakeSupervisor(ranks)
+    ranks.reply(0, "fails on purpose")  # the others wait for it in a collective
+    ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
+    assert ending is Ending.DONE and relay.released
+    assert supervisor.calls == [("release", (0,)), ("release_blocked", (1, 2, 3))]
+    assert [f.rank for f in relay.failures()] == [0, 1, 2, 3] and relay.unfinished() == ()
+
+
+def test_a_death_releases_the_survivors_at_once() -> None:
+    relay, _, ranks = _relay(4)
+    supervisor = FakeSupervisor(ranks, dead={2: "was killed by SIGKILL"})
+    ranks.cell._children[2].finished = True  # ipyparallel's engine error for the dead rank
+    ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
+    assert ending is Ending.DONE and relay.dead == {2: "was killed by SIGKILL"}
+    assert supervisor.calls[0] == ("release_blocked", (0, 1, 3))
+
+
+def test_a_failed_cell_that_leaves_a_rank_running_ends_as_a_failure_not_an_interrupt() -> None:
+    relay, _, ranks = _relay(3)
+    supervisor = StuckElsewhere(ranks)
+    ranks.reply(1, "fails on purpose")
+    ranks.reply(0, "Connection closed by peer")
+    ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)  # rank 2 computes on, in no collective
+    assert ending is Ending.DONE
+    assert relay.unfinished() == (2,)
+    assert ("release_blocked", (2,)) in supervisor.calls
+
+
+def test_every_rank_replying_in_time_releases_nothing() -> None:
+    relay, _, ranks = _relay(3)
+    supervisor = FakeSupervisor(ranks)
+    for rank in range(3):
+        ranks.reply(rank)
+    assert relay.wait(_sink(), timeout=30, supervisor=supervisor) is Ending.DONE
+    assert supervisor.calls == [] and not relay.released and relay.failures() == []
