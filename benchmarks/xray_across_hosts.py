@@ -39,7 +39,7 @@ def main() -> None:
             world.start()
         try:
             world.execute("dist.all_reduce(torch.ones(1))", stream=False)
-            reach = xray.Reach.of(world._private_dir or "", world.ranks)
+            reach = xray.Reach.of(world.private_dir or "", world.ranks)
             assert reach.remote, "no rank is on another host"
             for full in (False, True):
                 times = []

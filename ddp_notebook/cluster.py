@@ -4,7 +4,7 @@ A facade over the parts that do the work (see docs/architecture.md):
 a provisioner gets the processes (`provisioning`), `forming` turns them into ranks of one
 process group, a `relay` carries each cell's messages while a `WorldSupervisor` watches the
 ranks, and the cell's `CellOutcome` decides what the caller sees. The world's state lives
-in a `WorldLifecycle`.
+in a `WorldLifecycle`; its running parts in one `RunningWorld` (None while stopped).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from . import (
     xray,
 )
 from .config import WorldConfig
-from .controller import QUERY_SECONDS, ControllerLink
+from .controller import QUERY_SECONDS
 from .errors import (
     DDPError,
     DDPUsageError,
@@ -50,8 +50,9 @@ from .export import CellRecord
 from .outcome import CellOutcome, breaks_process_group
 from .relay import CellRelay, OutputSink
 from .results import CellResult, MemoryReading, RankInfo, RankStatus
+from .running import RunningWorld
 from .state import WorldLifecycle, WorldState
-from .supervision import RELEASE_SECONDS, WorldSupervisor
+from .supervision import RELEASE_SECONDS
 from .syntax import check_syntax
 
 LEAVE_GROUP_SECONDS = 3.0
@@ -90,13 +91,7 @@ class DDPCluster:
         self._stdout = stdout
         self._stderr = stderr
         self._lifecycle = WorldLifecycle()
-        self._provisioner: provisioning.Provisioner | None = None
-        self._controller: ControllerLink | None = None
-        self._supervisor: WorldSupervisor | None = None
-        self._layout: forming.WorldLayout | None = None
-        self._ranks: dict[int, RankInfo] = {}
-        self._views: dict[tuple[int, ...], Any] = {}
-        self._private_dir: str | None = None  # files only this user may read: the ranks' stack dumps
+        self._world: RunningWorld | None = None  # its running parts, while it runs
         self.start_seconds: float | None = None
         self.last_heal_seconds: float | None = None
         self.last_failures: tuple[RankFailure, ...] = ()
@@ -104,8 +99,6 @@ class DDPCluster:
         self.recorder = channel.Recorder()
         # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
         self.cell_history: list[CellRecord] = []
-        # the cells that set a rank up (run with setup=True, %%ddp --setup), replayed on a new rank
-        self.setup_cells: list[str] = []
         self.restarts = 0  # dead ranks this world replaced (bounded by config.max_restarts)
         self.last_comeback_seconds: float | None = None
 
@@ -137,7 +130,7 @@ class DDPCluster:
 
     @property
     def running(self) -> bool:
-        return self._provisioner is not None
+        return self._world is not None
 
     @property
     def broken(self) -> dict[int, str]:
@@ -152,16 +145,26 @@ class DDPCluster:
     @property
     def provisioner(self) -> provisioning.Provisioner | None:
         """What got this world's processes (None while stopped)."""
-        return self._provisioner
+        return self._world.provisioner if self._world is not None else None
+
+    @property
+    def private_dir(self) -> str | None:
+        """The running world's private directory (its key, the ranks' stack dumps; mode 0700)."""
+        return self._world.private_dir if self._world is not None else None
+
+    @property
+    def setup_cells(self) -> list[str]:
+        """The cells that set a rank up (run with setup=True, %%ddp --setup), replayed on a new rank."""
+        return self._world.setup_cells if self._world is not None else []
 
     @property
     def world_size(self) -> int:
-        return self._layout.world_size if self._layout else self.config.n_ranks or 0
+        return self._world.layout.world_size if self._world is not None else self.config.n_ranks or 0
 
     @property
     def backend(self) -> str:
         """nccl or gloo (for ranks started elsewhere: decided once they reported their GPUs)."""
-        return self._layout.backend if self._layout else str(self.config.backend)
+        return self._world.layout.backend if self._world is not None else str(self.config.backend)
 
     @property
     def attached(self) -> bool:
@@ -169,7 +172,8 @@ class DDPCluster:
 
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
-        return tuple(self._ranks[r] for r in sorted(self._ranks))
+        current = self._world.ranks if self._world is not None else {}
+        return tuple(current[r] for r in sorted(current))
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -184,7 +188,7 @@ class DDPCluster:
     @property
     def pids(self) -> list[int]:
         """PIDs of the controller and rank processes of this world (none for an attached world)."""
-        return self._provisioner.pids if self._provisioner is not None else []
+        return self._world.provisioner.pids if self._world is not None else []
 
     @property
     def all_pids(self) -> list[int]:
@@ -218,7 +222,7 @@ class DDPCluster:
         start processes: its engines' namespaces are cleared instead, and a lost engine must
         be started again where the cluster runs.
         """
-        warm = self._provisioner.keep_warm() if self._provisioner is not None else None
+        warm = self._world.provisioner.keep_warm() if self._world is not None else None
         self.stop()
         return self._start(clear_namespaces=True, warm=warm)
 
@@ -228,24 +232,23 @@ class DDPCluster:
         began = time.perf_counter()
         deadline = began + self.config.start_timeout
         self._lifecycle.starting()
-        self._private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
-        self.setup_cells, self.restarts = [], 0  # new processes: nothing was set up on them yet
-        provisioner = self._provisioner = provisioning.provisioner_for(self.config, self._private_dir, warm)
+        private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
+        self.restarts = 0  # new processes: nothing was set up on them yet
+        provisioner = provisioning.provisioner_for(self.config, private_dir, warm)
         try:
             client = provisioner.start()
             identities = forming.wait_for_engines(provisioner, deadline)
             if clear_namespaces and provisioner.clears_namespaces_on_restart:
                 client.clear(targets=[i.engine_id for i in identities], block=True)
-            self._layout = forming.place(self.config, identities)
-            forming.plan_routes(provisioner, self._layout, deadline)
-            self._ranks = forming.join_process_group(client, self.config, self._layout, self._private_dir, deadline)
+            layout = forming.place(self.config, identities)
+            forming.plan_routes(provisioner, layout, deadline)
+            ranks = forming.join_process_group(client, self.config, layout, private_dir, deadline)
+            self._world = RunningWorld(provisioner, layout, ranks, private_dir)
         except BaseException as failure:
-            self._teardown()
+            self._teardown(provisioner, private_dir)
             if isinstance(failure, (DDPError, KeyboardInterrupt)):
                 raise
             raise StartError(f"could not start the world: {one_line(failure)}") from failure
-        self._controller = ControllerLink(client, provisioner.controller_pid)
-        self._supervisor = WorldSupervisor(provisioner, self._controller, lambda: self._ranks, self._private_dir)
         self.start_seconds = time.perf_counter() - began
         self._lifecycle.ready()
         return self
@@ -255,10 +258,11 @@ class DDPCluster:
 
         An attached world lets go of its engines and leaves them running.
         """
-        if self._provisioner is None:
+        world = self._world
+        if world is None:
             return False
-        self._leave_process_group()
-        self._teardown()
+        self._leave_process_group(world)
+        self._teardown(world.provisioner, world.private_dir)
         return True
 
     def activate(self) -> DDPCluster:
@@ -275,29 +279,23 @@ class DDPCluster:
         shell.magics_manager.registry["DDPMagics"].adopt(self)
         return self
 
-    def _leave_process_group(self) -> None:
+    def _leave_process_group(self, world: RunningWorld) -> None:
         # destroying the group before the processes go avoids gloo/nccl aborting on exit
-        provisioner, controller = self._provisioner, self._controller
-        if provisioner is None or controller is None or controller.lost(now_please=True) is not None:
+        if world.controller.lost(now_please=True) is not None:
             return  # nobody to ask; the processes go anyway
         try:
-            skip = set(controller.busy(self.ranks)) | set(self.broken)  # dead ranks cannot answer
+            skip = set(world.controller.busy(self.ranks)) | set(self.broken)  # dead ranks cannot answer
             idle = [info.engine_id for info in self.ranks if info.rank not in skip]
             if idle:
-                provisioner.client[idle].apply_async(rank_calls.shutdown_world).get(timeout=LEAVE_GROUP_SECONDS)
+                world.client[idle].apply_async(rank_calls.shutdown_world).get(timeout=LEAVE_GROUP_SECONDS)
         except Exception:  # noqa: BLE001  (the processes are ended next in any case)
             pass
 
-    def _teardown(self) -> None:
-        provisioner = self._provisioner
-        self._provisioner = self._controller = self._supervisor = self._layout = None
-        self._ranks, self._views = {}, {}
+    def _teardown(self, provisioner: provisioning.Provisioner, private_dir: str) -> None:
+        self._world = None
         self._lifecycle.stopped()
-        if provisioner is not None:
-            provisioner.stop()
-        if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
-            self._private_dir = None
+        provisioner.stop()
+        shutil.rmtree(private_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ running cells
 
@@ -340,7 +338,7 @@ class DDPCluster:
         setup: bool = False,
     ) -> CellOutcome:
         """Like `execute`, but return how the cell ended instead of raising for it."""
-        self._require_running()
+        world = self._require_running()
         targets = self._select(ranks)
         if setup and len(targets) != self.world_size:
             raise DDPUsageError("a setup cell runs on every rank: leave out --ranks")
@@ -352,11 +350,10 @@ class DDPCluster:
         timeout = self.config.cell_timeout if timeout is None else timeout
         if timeout is not None:
             config._check_seconds("cell timeout", timeout)
-        assert self._provisioner is not None and self._supervisor is not None
         began = time.perf_counter()
-        relay = CellRelay(self._provisioner.client, targets)
+        relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
-        view = self._view(tuple(self._ranks[r].engine_id for r in targets))
+        view = world.view(tuple(world.engines(targets)))
         if len(targets) != self.world_size:
             # queued ahead of the cell on the same ranks, so no round trip is waited for
             view.apply_async(rank_calls.skip_cell_snapshot)
@@ -372,7 +369,7 @@ class DDPCluster:
             feed.memory if feed is not None else None,
             feed.collectives if feed is not None else None,
         )
-        ending = relay.wait(sink, timeout, self._supervisor)
+        ending = relay.wait(sink, timeout, world.supervisor)
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
         failures = tuple(relay.failures())
@@ -380,7 +377,7 @@ class DDPCluster:
             self.last_failures = failures  # for debug(): the cell to look into
         heal_note = came_back = ""
         if relay.dead:
-            came_back, heal_note = self._replace_dead(dict(relay.dead), relay.unfinished())
+            came_back, heal_note = self._replace_dead(world, dict(relay.dead), relay.unfinished())
         elif relay.released or breaks_process_group(failures):
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
@@ -404,29 +401,26 @@ class DDPCluster:
         if setup and outcome.ok:
             self.setup_cells.append(code)
         if outcome.ok and len(targets) == self.world_size and relay.snapshot_owed():
-            self._snapshot_everywhere()
+            self._snapshot_everywhere(world)
         return outcome
 
-    def _snapshot_everywhere(self) -> None:
+    def _snapshot_everywhere(self, world: RunningWorld) -> None:
         """The end-of-cell snapshot of a world that tracks a sharded model: it gathers the model's
         state, so every rank takes it at once, and only after a cell that succeeded on every rank
         (a rank's own post_run_cell hook cannot know that the others got there)."""
-        assert self._provisioner is not None
-        engines = [info.engine_id for info in self.ranks]
         try:
-            self._provisioner.client[engines].apply_async(rank_calls.take_snapshot, "the end of a cell").get(
+            world.client[world.engines()].apply_async(rank_calls.take_snapshot, "the end of a cell").get(
                 timeout=self.config.timeout
             )
         except Exception as failure:  # noqa: BLE001  (the cell succeeded; the world keeps its last snapshot)
             self._lifecycle.group_broke()  # a rank stopped in the gather: the next cell heals the group
             (self._stderr or sys.stderr).write(f"ddp_notebook: the end-of-cell snapshot failed: {one_line(failure)}\n")
 
-    def _replace_dead(self, dead: dict[int, str], unfinished: tuple[int, ...]) -> tuple[str, str]:
+    def _replace_dead(self, world: RunningWorld, dead: dict[int, str], unfinished: tuple[int, ...]) -> tuple[str, str]:
         """New processes for dead ranks, brought to the last snapshot (`comeback`); past
         `config.max_restarts`, or where that fails, the world is broken as before.
 
         Returns (what the comeback did, why there was none)."""
-        assert self._provisioner is not None and self._layout is not None
         left = self.config.max_restarts - self.restarts
         if left < len(dead):
             self._lifecycle.ranks_died(dead)
@@ -434,22 +428,14 @@ class DDPCluster:
             return "", f"this world replaced {self.restarts} dead rank(s) already (max_restarts={most})"
         self.restarts += len(dead)
         running = tuple(rank for rank in unfinished if rank not in dead)
-        if running and self._supervisor is not None:
-            self._supervisor.interrupt(running)  # survivors still in the cell: the comeback waits for them
+        if running:
+            world.supervisor.interrupt(running)  # survivors still in the cell: the comeback waits for them
         try:
-            done = comeback.bring_back(
-                self._provisioner,
-                self.config,
-                self._layout,
-                self._ranks,
-                dead,
-                self.setup_cells,
-                self._private_dir,
-            )
+            done = comeback.bring_back(world, self.config, dead)
         except Exception as failure:  # noqa: BLE001  (any failure leaves the world broken, as a death did)
             self._lifecycle.ranks_died(dead)
             return "", f"bringing it back failed: {one_line(failure)}"
-        self._ranks, self._views = done.ranks, {}
+        world.regrouped(done.ranks)
         self.last_comeback_seconds = done.seconds
         ranks = ", ".join(map(str, sorted(dead)))
         where = (
@@ -458,7 +444,7 @@ class DDPCluster:
             else "nothing is tracked (ddp_notebook.track): the new rank has what the setup cells made"
         )
         return (
-            f"Rank {ranks} came back in {done.seconds:.1f} s (a new process, {len(self.setup_cells)} setup cell(s) "
+            f"Rank {ranks} came back in {done.seconds:.1f} s (a new process, {len(world.setup_cells)} setup cell(s) "
             f"replayed, the process group formed again; other variables kept on the surviving ranks): {where}",
             "",
         )
@@ -495,22 +481,19 @@ class DDPCluster:
         Every rank leaves the old group; rank 0 opens a fresh rendezvous port; all join a new
         default group; models wrapped by `prepare_model` are moved onto it. Returns seconds.
         """
-        self._require_running()
-        assert self._provisioner is not None and self._controller is not None and self._layout is not None
+        world = self._require_running()
         began = time.perf_counter()
-        busy = self._controller.busy(self.ranks)
+        busy = world.controller.busy(self.ranks)
         if busy:
             raise DDPUsageError(
                 f"rank(s) {_rank_list(busy)} are still busy (blocked in a collective until the collective "
                 f"timeout of {self.config.timeout:g} s); wait for them, or %ddp_restart"
             )
-        client = self._provisioner.client
         try:
-            client[[info.engine_id for info in self.ranks]].apply_async(rank_calls.release_group).get(
-                timeout=RELEASE_SECONDS
-            )
+            world.client[world.engines()].apply_async(rank_calls.release_group).get(timeout=RELEASE_SECONDS)
             deadline = time.perf_counter() + self.config.start_timeout
-            self._ranks = forming.join_process_group(client, self.config, self._layout, self._private_dir, deadline)
+            ranks = forming.join_process_group(world.client, self.config, world.layout, world.private_dir, deadline)
+            world.regrouped(ranks)
         except DDPError:
             raise  # the group stays broken: the next cell tries again
         except Exception as failure:  # noqa: BLE001  (any remote failure leaves the group broken)
@@ -527,58 +510,50 @@ class DDPCluster:
         past `n_ranks` end. Models from `prepare_model` move to the new group, and loaders from
         `prepare_loader` deal the rest of the epoch's global order over the new ranks.
         """
-        self._require_running()
+        world = self._require_running()
         config._check_rank_count(n_ranks)
-        assert self._provisioner is not None and self._controller is not None and self._layout is not None
         if self.config.gpus:
             raise DDPUsageError("resizing a world of GPU ranks is not supported yet: %ddp_start it again with N ranks")
         if n_ranks == self.world_size:
             return 0.0
         if self.needs_heal:
             self.heal()
-        busy = self._controller.busy(self.ranks)
+        busy = world.controller.busy(self.ranks)
         if busy:
             raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
         try:
-            done = comeback.resize(
-                self._provisioner, self.config, self._layout, self._ranks, n_ranks, self.setup_cells, self._private_dir
-            )
+            done = comeback.resize(world, self.config, n_ranks)
         except DDPError as failure:
             raise DDPError(f"could not resize the world to {n_ranks} ranks: {failure}; %ddp_restart") from None
         except Exception as failure:  # noqa: BLE001  (any remote failure ends the resize)
             raise DDPError(
                 f"could not resize the world to {n_ranks} ranks: {one_line(failure)}; %ddp_restart"
             ) from None
-        self._ranks, self._views = done.ranks, {}
-        self.config = self._provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks)
+        world.regrouped(done.ranks)
+        self.config = world.provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks)
         return done.seconds
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""
-        self._require_running()
-        assert self._supervisor is not None
-        return self._supervisor.where_stuck(self._select(ranks))
+        return self._require_running().supervisor.where_stuck(self._select(ranks))
 
     def collectives(self, ranks: Iterable[int] | str | None = None) -> dict[int, xray.RankCollectives]:
         """Collective X-ray of the ranks, on every host: the last collectives each one ran and the one it
         waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
-        self._require_running(allow_broken=True)
-        assert self._supervisor is not None
-        return self._supervisor.collectives(self._select(ranks), full=True)
+        return self._require_running(allow_broken=True).supervisor.collectives(self._select(ranks), full=True)
 
     def debug(self, rank: int | None = None) -> None:
         """pdb, in the notebook, on `rank`'s last failed cell (default: the root cause of the last
         RankError); each line is asked with input(). `%ddp_debug`."""
-        self._require_running()
+        world = self._require_running()
         if rank is None:
             if not self.last_failures:
                 raise DDPUsageError("no cell has failed on a rank yet: %ddp_debug looks into the last one that did")
             rank = RankError(list(self.last_failures)).root_cause.rank
         (rank,) = self._select([rank])
-        assert self._provisioner is not None and self._supervisor is not None
-        reach = self._supervisor.reach()
+        reach = world.supervisor.reach()
         assert reach is not None
-        engine = self._provisioner.client[self._ranks[rank].engine_id]
+        engine = world.client[world.ranks[rank].engine_id]
         debugging.post_mortem(engine, reach, rank)
 
     def straggler(self) -> stragglers.Straggler | None:
@@ -589,28 +564,18 @@ class DDPCluster:
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
         """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""
-        self._require_running()
-        assert self._supervisor is not None
-        self._supervisor.interrupt(self._select(ranks))
+        self._require_running().supervisor.interrupt(self._select(ranks))
 
     def _text_view(self) -> channel.View:
         from .widgets import TextView
 
         return TextView(self._stdout)
 
-    def _view(self, engine_ids: tuple[int, ...]) -> Any:
-        # a DirectView costs ~0.2 ms to make; a notebook reuses a handful of rank sets
-        view = self._views.get(engine_ids)
-        if view is None:
-            assert self._provisioner is not None
-            view = self._views[engine_ids] = self._provisioner.client.direct_view(list(engine_ids))
-        return view
-
     # ------------------------------------------------------------------ data in and out
 
     def push(self, namespace: Mapping[str, Any], ranks: Iterable[int] | str | None = None) -> None:
         """Copy `namespace`'s values into the user namespace of `ranks` (default: all)."""
-        client = self._require_running()
+        world = self._require_running()
         targets = self._select(ranks)
         for name, value in namespace.items():
             if not isinstance(name, str) or not name.isidentifier():
@@ -622,14 +587,15 @@ class DDPCluster:
                     f"cannot push '{name}': {type(value).__name__} cannot be pickled ({one_line(failure)}); "
                     "send what it is built from and build it on the ranks instead"
                 ) from None
-        client[[self._ranks[r].engine_id for r in targets]].push(dict(namespace), block=True)
+        world.client[world.engines(targets)].push(dict(namespace), block=True)
 
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> dict[int, Any]:
         """`name`'s value on each of `ranks` (default: all), as {rank: value}."""
-        client = self._require_running()
+        world = self._require_running()
         targets = self._select(ranks)
         pending = {
-            rank: client[self._ranks[rank].engine_id].apply_async(rank_calls.pull_names, [name]) for rank in targets
+            rank: world.client[world.ranks[rank].engine_id].apply_async(rank_calls.pull_names, [name])
+            for rank in targets
         }
         values: dict[int, Any] = {}
         missing: list[int] = []
@@ -651,16 +617,13 @@ class DDPCluster:
     def memory(self) -> MemoryReading | None:
         """The memory of the ranks on this host against the limit they share (their cgroup's, or
         the machine's): `reading.fraction`, `reading.rank_bytes`; None where no rank runs here."""
-        self._require_running(allow_broken=True)
-        assert self._supervisor is not None
-        return self._supervisor.memory.read(list(self.ranks))
+        return self._require_running(allow_broken=True).supervisor.memory.read(list(self.ranks))
 
     def status(self) -> list[RankStatus]:
         """State (idle/busy/gone), host, pid, device, memory (against its limit) of every rank."""
-        self._require_running(allow_broken=True)
-        assert self._controller is not None
+        world = self._require_running(allow_broken=True)
         try:
-            queues = self._controller.settled_queue_status()
+            queues = world.controller.settled_queue_status()
         except TimeoutError:
             raise DDPError(
                 f"the controller did not answer within {QUERY_SECONDS:g} s: is its host reachable? %ddp_restart"
@@ -695,15 +658,15 @@ class DDPCluster:
 
     # ------------------------------------------------------------------ helpers
 
-    def _require_running(self, allow_broken: bool = False) -> Any:
-        if self._provisioner is None:
+    def _require_running(self, allow_broken: bool = False) -> RunningWorld:
+        if self._world is None:
             raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
         if self.broken and not allow_broken:
             ranks = ", ".join(f"rank {r} {how}" for r, how in sorted(self.broken.items()))
             raise WorldBrokenError(
                 f"the world is broken ({ranks}): %ddp_restart (or restart()) starts a full world again"
             )
-        return self._provisioner.client
+        return self._world
 
     def _select(self, ranks: Iterable[int] | str | None) -> tuple[int, ...]:
         size = self.world_size

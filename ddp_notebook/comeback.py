@@ -3,7 +3,8 @@ the same size, and every rank brought to the last snapshot of the tracked state.
 world (`resize`) is the same steps with ranks added or ended.
 
 Notebook side (no torch). `DDPCluster` calls `bring_back` when a cell found a rank's process
-gone, and `resize` for `DDPCluster.resize`; the rank side of both is `elastic.py`.
+gone, and `resize` for `DDPCluster.resize`, each on its `RunningWorld` (whose layout they change
+in place; the caller takes the new rank map); the rank side of both is `elastic.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .errors import DDPError, one_line
 from .processes import DEATH_CHECK_SECONDS
 from .provisioning import Provisioner
 from .results import RankInfo
+from .running import RunningWorld
 
 POLL_SECONDS = 0.05
 
@@ -32,46 +34,31 @@ class Comeback:
     resumed_from: str | None  # where the restored snapshot was taken; None when nothing is tracked
 
 
-def bring_back(
-    provisioner: Provisioner,
-    config: WorldConfig,
-    world: forming.WorldLayout,
-    ranks: dict[int, RankInfo],
-    dead: Iterable[int],
-    setup_cells: list[str],
-    stack_dir: str | None,
-) -> Comeback:
+def bring_back(running: RunningWorld, config: WorldConfig, dead: Iterable[int]) -> Comeback:
     """Replace the ranks in `dead` by new processes and bring the world back to one consistent point.
 
     Raises DDPError with what went wrong; the world is then left as it was found (dead ranks).
     """
     began = time.perf_counter()
     deadline = began + config.start_timeout
+    provisioner, world = running.provisioner, running.layout
     lost = sorted(dead)
-    survivors = [info for rank, info in sorted(ranks.items()) if rank not in lost]
+    survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in lost]
     started = _start_ranks(provisioner, lost, deadline)
     for rank, new in started.items():  # the same place, another process
         world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=new.engine_id, pid=new.pid)
-    _replay_setup(provisioner, config, world, lost, setup_cells, deadline)
-    return _regroup(provisioner, config, world, survivors, stack_dir, began, deadline)
+    _replay_setup(provisioner, config, world, lost, running.setup_cells, deadline)
+    return _regroup(provisioner, config, world, survivors, running.private_dir, began, deadline)
 
 
-def resize(
-    provisioner: Provisioner,
-    config: WorldConfig,
-    world: forming.WorldLayout,
-    ranks: dict[int, RankInfo],
-    size: int,
-    setup_cells: list[str],
-    stack_dir: str | None,
-) -> Comeback:
+def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     """Grow or shrink a running world to `size` ranks: the ranks that stay keep everything; new
     ranks get the setup cells replayed and the tracked state from rank 0; the ranks past `size`
     end. Every rank goes to a snapshot taken now, so tracked loaders deal the rest of their
     epoch over the new ranks."""
     began = time.perf_counter()
     deadline = began + config.start_timeout
-    client = provisioner.client
+    provisioner, world, ranks, client = running.provisioner, running.layout, running.ranks, running.client
     old = len(world.placements)
     everyone = client[[ranks[r].engine_id for r in sorted(ranks)]]
     everyone.apply_async(rank_calls.take_snapshot, "the resize").get(timeout=_remaining(deadline))
@@ -80,13 +67,13 @@ def resize(
         added = list(range(old, size))
         started = _start_ranks(provisioner, added, deadline)
         _renumber(world, world.placements, [started[slot] for slot in added])
-        _replay_setup(provisioner, config, world, added, setup_cells, deadline)
+        _replay_setup(provisioner, config, world, added, running.setup_cells, deadline)
     else:
         leaving = [ranks[r] for r in sorted(ranks) if r >= size]
         everyone.apply_async(rank_calls.release_group).get(timeout=_remaining(deadline))
         provisioner.remove(leaving)
         _renumber(world, world.placements[:size], [])
-    return _regroup(provisioner, config, world, staying, stack_dir, began, deadline)
+    return _regroup(provisioner, config, world, staying, running.private_dir, began, deadline)
 
 
 def _start_ranks(provisioner: Provisioner, slots: list[int], deadline: float) -> dict[int, layout.EngineIdentity]:

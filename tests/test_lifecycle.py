@@ -89,7 +89,7 @@ def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
         files = [p for p in security.iterdir() if cluster_id in p.name]
         assert any(p.name.endswith("-client.json") for p in files)  # holds the message-signing key
         assert all(p.stat().st_mode & 0o077 == 0 for p in files), [oct(p.stat().st_mode) for p in files]
-        private = Path(world._private_dir)
+        private = Path(world.private_dir)
         assert private.stat().st_mode & 0o077 == 0
     finally:
         world.stop()

@@ -157,7 +157,7 @@ def check_xray_across_hosts(world: DDPCluster, addresses: tuple[str, str]) -> No
     # a request not signed with the world's key is refused and not acted on, and a signed one
     # does not work twice (each connection has its own challenge)
     host, port = world.ranks[1].xray_address or ("", 0)
-    key = xray.Reach.of(world._private_dir or "", world.ranks).key
+    key = xray.Reach.of(world.private_dir or "", world.ranks).key
     assert len(key) == xray_wire.KEY_BYTES
     with socket.create_connection((host, port), timeout=5) as connection:
         reader = connection.makefile("r", encoding="utf8")
