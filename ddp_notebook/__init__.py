@@ -17,32 +17,30 @@ and are loaded on first use, so the notebook kernel itself never imports torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .cluster import DDPCluster
-from .config import WorldConfig
-from .errors import (
-    CellInterruptedError,
-    CellTimeoutError,
-    DDPError,
-    DDPUsageError,
-    InsecureNetworkWarning,
-    NotRunningError,
-    RankDiedError,
-    RankError,
-    StartError,
-    WorldBrokenError,
-)
-from .outcome import CellOutcome, Ending
-from .results import CellResult, RankInfo, RankStatus
-from .state import WorldState
-from .xray import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from .channel import Metrics, log, progress
+    from .cluster import DDPCluster
+    from .config import WorldConfig
     from .debugger import breakpoint
     from .elastic import snapshot, track
+    from .errors import (
+        CellInterruptedError,
+        CellTimeoutError,
+        DDPError,
+        DDPUsageError,
+        InsecureNetworkWarning,
+        NotRunningError,
+        RankDiedError,
+        RankError,
+        StartError,
+        WorldBrokenError,
+    )
+    from .outcome import CellOutcome, Ending
     from .rank import (
         barrier,
         is_main,
@@ -52,21 +50,53 @@ if TYPE_CHECKING:
         save_checkpoint,
         shard_model,
     )
+    from .results import CellResult, RankInfo, RankStatus
+    from .state import WorldState
     from .strict import check_collectives
+    from .xray import CollectiveMismatchError
 
-_RANK_HELPERS = (
-    "barrier",
-    "is_main",
-    "load_checkpoint",
-    "prepare_loader",
-    "prepare_model",
-    "save_checkpoint",
-    "shard_model",
-)
-# the training state a world keeps alive when a rank dies (rank side, imports torch)
-_ELASTIC_NAMES = ("snapshot", "track")
-# live progress and metrics (standard library only, no torch)
-_CHANNEL_NAMES = ("Metrics", "log", "progress")
+# Every public name is loaded on first use, from the module that holds it: a rank process that
+# imports `ddp_notebook.rank` loads no kernel-side module, and the kernel never imports torch.
+_HOMES = {
+    "DDPCluster": "cluster",
+    "WorldConfig": "config",
+    "CellOutcome": "outcome",
+    "Ending": "outcome",
+    "CellResult": "results",
+    "RankInfo": "results",
+    "RankStatus": "results",
+    "WorldState": "state",
+    "CollectiveMismatchError": "xray",
+    "breakpoint": "debugger",
+    "check_collectives": "strict",
+    # live progress and metrics (standard library only, no torch)
+    "Metrics": "channel",
+    "log": "channel",
+    "progress": "channel",
+    # the training state a world keeps alive when a rank dies (rank side, imports torch)
+    "snapshot": "elastic",
+    "track": "elastic",
+    # the helpers of %%ddp cells (rank side, import torch)
+    **dict.fromkeys(
+        ("barrier", "is_main", "load_checkpoint", "prepare_loader", "prepare_model", "save_checkpoint", "shard_model"),
+        "rank",
+    ),
+    **dict.fromkeys(
+        (
+            "CellInterruptedError",
+            "CellTimeoutError",
+            "DDPError",
+            "DDPUsageError",
+            "InsecureNetworkWarning",
+            "NotRunningError",
+            "RankDiedError",
+            "RankError",
+            "StartError",
+            "WorldBrokenError",
+        ),
+        "errors",
+    ),
+}
 
 __all__ = [
     "CellInterruptedError",
@@ -111,28 +141,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CHANNEL_NAMES:
-        from . import channel
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # cached: log() runs every step
+    return value
 
-        value = globals()[name] = getattr(channel, name)  # cached: log() runs every step
-        return value
-    if name == "breakpoint":
-        from .debugger import breakpoint
 
-        return breakpoint
-    if name == "check_collectives":
-        from .strict import check_collectives
-
-        return check_collectives
-    if name in _ELASTIC_NAMES:
-        from . import elastic
-
-        return getattr(elastic, name)
-    if name in _RANK_HELPERS:
-        from . import rank
-
-        return getattr(rank, name)
-    raise AttributeError(f"module 'ddp_notebook' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
 
 
 def warm_up(wait: float = 0.0) -> bool:

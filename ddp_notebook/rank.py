@@ -354,7 +354,7 @@ def _publish_names(context: RankContext) -> None:
     shell = get_ipython()
     if shell is None:
         return
-    import ddp_notebook
+    ddp_notebook = sys.modules[__package__]  # imported before any of its modules: no import to make
 
     shell.user_ns.update(
         rank=context.rank,

@@ -1,8 +1,12 @@
-"""The package's shape: no import circle, and dependency internals used in one adapter only."""
+"""The package's shape: no import circle (the package root's lazy edges included), a rank process
+that loads no kernel-side module, and dependency internals used in one adapter only."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,8 @@ def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool
 def import_graph() -> dict[str, set[str]]:
     """Runtime imports between the package's modules (lazy ones in functions included).
 
-    Imports of the top-level package itself are left out: it only re-exports.
+    `from package import submodule` is an edge to the submodule alone (its package is imported
+    first whatever the module is); an edge to a package means a name its `__init__` holds.
     """
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
@@ -43,13 +48,28 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*anchor, *([base] if base else [])])
-                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+                if any(target not in modules for target in targets):
+                    targets.append(base)  # a name of the package's own __init__
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "importlib.import_module":
+                # the package root's lazy names: import_module(f".{home}", __name__)
+                targets = [f"{package}.{home}" for home in _lazy_homes(tree)] if name == "ddp_notebook" else []
             for target in targets:
-                if target in modules and target != "ddp_notebook" and target != name:
+                if target in modules and target != name:
                     graph[name].add(target)
     return graph
+
+
+def _lazy_homes(tree: ast.Module) -> set[str]:
+    """The modules the package root's _HOMES table loads names from."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_HOMES" for t in node.targets):
+            return {value.value for value in ast.walk(node.value) if isinstance(value, ast.Constant)} - {
+                key.value for key in getattr(node.value, "keys", []) if isinstance(key, ast.Constant)
+            }
+    return set()
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -85,7 +105,36 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_no_import_circle() -> None:
     graph = import_graph()
     assert graph["ddp_notebook.cluster"] >= {"ddp_notebook.provisioning", "ddp_notebook.forming"}  # it sees edges
+    # the root's lazy names are edges too
+    assert graph["ddp_notebook"] >= {"ddp_notebook.cluster", "ddp_notebook.rank", "ddp_notebook.magics"}
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_an_import_of_a_package_name_is_an_edge_to_the_package() -> None:
+    graph = import_graph()
+    assert "ddp_notebook" not in graph["ddp_notebook.rank_calls"]  # `from ddp_notebook import rank`: a module
+    assert "ddp_notebook.provisioning" in graph["ddp_notebook.running"]  # `from .provisioning import Provisioner`
+
+
+# the modules that run in the kernel (or talk to ipyparallel from there); a rank process loads none
+KERNEL_SIDE = {
+    "cluster", "comeback", "config", "controller", "debugging", "export", "forming", "ipp_adapter",
+    "launchers", "magics", "outcome", "output", "provisioning", "relay", "report", "running", "spare",
+    "state", "supervision", "syntax", "template", "widgets", "xray",
+}  # fmt: skip
+# what a rank process imports: its entry point, the rank side, the calls the notebook makes on it
+RANK_ENTRY = ("ddp_notebook.entrypoints", "ddp_notebook.rank", "ddp_notebook.rank_calls", "ddp_notebook.elastic")
+
+
+def test_a_fresh_rank_process_loads_no_kernel_side_module() -> None:
+    code = (
+        f"import importlib, json, sys\nfor name in {RANK_ENTRY!r}:\n    importlib.import_module(name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('ddp_notebook'))))"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    kernel_side = [name for name in loaded if name.partition(".")[2].split(".")[0] in KERNEL_SIDE]
+    assert kernel_side == [], f"a rank loads kernel-side modules: {kernel_side}"
+    assert len(loaded) < 20, loaded  # 40 before the package root loaded its names lazily
 
 
 def test_leaf_modules_import_nothing_of_the_package() -> None:
@@ -105,6 +154,8 @@ _PRIVATE = {
         "._remove_autograd_hooks",
         "._register_backend",
         "._set_default_backend",
+        "._get_ddp_logging_data",
+        "._compute_bucket_assignment_by_size",
     ),
 }
 
