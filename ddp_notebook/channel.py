@@ -316,7 +316,7 @@ def _connect() -> Channel:
     except ImportError:
         return Channel(publish=None)
     shell = get_ipython()
-    if not _in_rank(shell):
+    if not in_rank(shell):
         # not an ipyparallel rank (the notebook itself, a script under torchrun): send nothing
         return Channel(publish=None)
     from ipyparallel.datapub import publish_data
@@ -337,7 +337,7 @@ def _connect() -> Channel:
     return channel
 
 
-def _in_rank(shell: Any) -> bool:
+def in_rank(shell: Any) -> bool:
     kernel = getattr(shell, "kernel", None)
     if kernel is None:
         return False

@@ -349,7 +349,7 @@ class DDPCluster:
         check_syntax(code)
         timeout = self.config.cell_timeout if timeout is None else timeout
         if timeout is not None:
-            config._check_seconds("cell timeout", timeout)
+            config.check_seconds("cell timeout", timeout)
         began = time.perf_counter()
         relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
@@ -511,7 +511,7 @@ class DDPCluster:
         `prepare_loader` deal the rest of the epoch's global order over the new ranks.
         """
         world = self._require_running()
-        config._check_rank_count(n_ranks)
+        config.check_rank_count(n_ranks)
         if self.config.gpus:
             raise DDPUsageError("resizing a world of GPU ranks is not supported yet: %ddp_start it again with N ranks")
         if n_ranks == self.world_size:

@@ -73,7 +73,7 @@ class WorldConfig:
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
-            _check_rank_count(self.n_ranks)
+            check_rank_count(self.n_ranks)
         if self.backend not in ("gloo", "nccl") and not (self.backend == "auto" and not self.launch.is_local):
             raise DDPUsageError(f"backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.backend == "nccl" and self.launch.is_local:
@@ -93,9 +93,9 @@ class WorldConfig:
         if len(set(self.gpus)) != len(self.gpus):
             raise DDPUsageError(f"each rank needs its own GPU, got {','.join(self.gpus)}")
         for name, value in (("timeout", self.timeout), ("start timeout", self.start_timeout)):
-            _check_seconds(name, value)
+            check_seconds(name, value)
         if self.cell_timeout is not None:
-            _check_seconds("cell timeout", self.cell_timeout)
+            check_seconds("cell timeout", self.cell_timeout)
         if not is_loopback(self.master_addr) and not self.curve:
             raise DDPUsageError(
                 f"listening on {self.master_addr} (beyond loopback) needs CurveZMQ encryption (curve=True)"
@@ -235,7 +235,7 @@ class LaunchConfig:
         return self.launcher == launchers.LOCAL and self.attach is None
 
 
-def _check_seconds(name: str, value: float) -> None:
+def check_seconds(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
         raise DDPUsageError(f"{name} must be a number of seconds > 0, got {value!r}")
 
@@ -251,7 +251,7 @@ def _ranks_here(
         use_gpus = backend != "gloo" and bool(available)
         if n_ranks is None:
             n_ranks = len(available) if use_gpus else _default_cpu_ranks(memory)
-        _check_rank_count(n_ranks)
+        check_rank_count(n_ranks)
         if use_gpus:
             if n_ranks > len(available):
                 if backend == "nccl":
@@ -269,7 +269,7 @@ def _ranks_here(
     else:
         if n_ranks is None:
             n_ranks = len(chosen_gpus)
-        _check_rank_count(n_ranks)
+        check_rank_count(n_ranks)
         if not available:
             raise DDPUsageError(
                 f"--gpus {','.join(chosen_gpus)}: no GPU is visible on this machine; "
@@ -385,7 +385,7 @@ def is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address).is_loopback
 
 
-def _check_rank_count(n_ranks: object) -> None:
+def check_rank_count(n_ranks: object) -> None:
     if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
         raise DDPUsageError(f"number of ranks must be a whole number >= 1, got {n_ranks!r}")
 

@@ -184,21 +184,22 @@ def begin_replay(spec: dict[str, Any]) -> None:
     alone = dict(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None)
     alone["master_port"] = rank_side.open_rendezvous(str(spec["master_addr"]))
     rank_side.init_world(alone)
+    joined = rank_side.joined_context()
+    assert joined is not None  # init_world just set it
     context = dataclasses.replace(
-        rank_side._state["context"],
+        joined,
         rank=int(spec["rank"]),
         world_size=int(spec["world_size"]),
         local_rank=int(spec["local_rank"]),
         local_world_size=int(spec["local_world_size"]),
     )
-    rank_side._state["context"] = context
-    rank_side._publish_names(context)
+    rank_side.become(context)
 
 
 def wrapped_models() -> dict[str, list[list[int]] | None]:
     """Names in the rank's namespace that hold a model from `prepare_model`, each with its gradient
     buckets' layout (None where the reducer has not rebuilt them yet)."""
-    wrappers = {id(wrapper): wrapper for wrapper in rank_side._state["wrappers"]}
+    wrappers = {id(wrapper): wrapper for wrapper in rank_side.wrappers()}
     return {
         name: torch_adapter.ddp_bucket_layout(wrappers[id(value)])
         for name, value in sorted(_namespace().items())
@@ -271,7 +272,7 @@ def _after_cell(result: Any) -> None:
 
 def _publish_snapshot_owed() -> None:
     shell = _shell()
-    if shell is not None and channel._in_rank(shell):  # an ipyparallel rank: a notebook listens
+    if shell is not None and channel.in_rank(shell):  # an ipyparallel rank: a notebook listens
         from ipyparallel.datapub import publish_data
 
         from .results import SNAPSHOT_OWED_KEY
@@ -348,7 +349,7 @@ def _rng() -> dict[str, Any]:
 
 def _gpu() -> torch.device | None:
     """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
-    context = rank_side._state.get("context")
+    context = rank_side.joined_context()
     if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
         return None
     return context.device
@@ -375,7 +376,7 @@ def _sharding() -> Any:
 
 
 def _is_sharded_module(obj: Any) -> bool:
-    return isinstance(obj, torch.nn.Module) and rank_side._is_sharded(obj)
+    return isinstance(obj, torch.nn.Module) and rank_side.is_sharded(obj)
 
 
 def _reshardable(model: torch.nn.Module) -> bool:
@@ -410,7 +411,7 @@ def _sharded_mark() -> list[Any]:
     for name, obj in _tracked.items():
         if _is_sharded_module(obj):
             tensors = [*obj.parameters(), *obj.buffers()]
-            mark.append([_version(t) for t in tensors])
+            mark.append([torch_adapter.write_mark(t) for t in tensors])
         elif name in _owners:
             mark.append([_versions(state) for state in obj.state.values()])
             mark.append([_versions(_hyperparameters(group)) for group in obj.param_groups])
@@ -423,14 +424,9 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def _versions(value: dict[str, Any]) -> list[Any]:
     """A dict's values, with each tensor as its identity and write counts: cheap to compare, no copy."""
-    return [(key, _version(item) if isinstance(item, torch.Tensor) else item) for key, item in value.items()]
-
-
-def _version(tensor: torch.Tensor) -> tuple[int, int, int, int]:
-    """A tensor's identity, storage and write counts: a DTensor counts writes through it (an
-    optimizer's step), its local tensor those made to the shard directly (FSDP's own)."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    return (id(tensor), local.data_ptr(), tensor._version, local._version)
+    return [
+        (key, torch_adapter.write_mark(item) if isinstance(item, torch.Tensor) else item) for key, item in value.items()
+    ]
 
 
 def _reshard_if_needed(model: torch.nn.Module) -> None:

@@ -124,7 +124,7 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
         master_port=int(spec["master_port"]),
     )
     _state["context"] = context
-    _publish_names(context)
+    publish_names(context)
     # after a heal: models wrapped by prepare_model move onto the new group
     for wrapper in list(_state["wrappers"]):
         torch_adapter.move_ddp(wrapper, dist.group.WORLD)
@@ -346,7 +346,7 @@ def _make_store(rank: int, world_size: int, host: str, port: int, timeout: datet
     return dist.TCPStore(host, port, world_size, False, timeout, use_libuv=False)
 
 
-def _publish_names(context: RankContext) -> None:
+def publish_names(context: RankContext) -> None:
     try:
         from IPython import get_ipython
     except ImportError:  # a rank outside an IPython engine (e.g. a plain script under torchrun)
@@ -388,6 +388,23 @@ def shutdown_world() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _state["context"] = None
+
+
+def joined_context() -> RankContext | None:
+    """The context this rank joined its world with (None before, or under torchrun)."""
+    return _state["context"]  # type: ignore[no-any-return]
+
+
+def become(context: RankContext) -> None:
+    """This rank takes `context` (a new rank replaying the setup cells is already the world's rank
+    N, in a group of its own) and its cells see the names it gives."""
+    _state["context"] = context
+    publish_names(context)
+
+
+def wrappers() -> list[torch.nn.parallel.DistributedDataParallel]:
+    """The DDP models `prepare_model` made on this rank that are still alive."""
+    return list(_state["wrappers"])
 
 
 def context() -> RankContext:
@@ -447,7 +464,7 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
     from the same weights. Keyword arguments go to `DistributedDataParallel` (e.g.
     `find_unused_parameters=True`).
     """
-    if shard or _is_sharded(model):
+    if shard or is_sharded(model):
         if ddp_kwargs:
             raise TypeError(f"DistributedDataParallel options {sorted(ddp_kwargs)} do not apply to a sharded model")
         return shard_model(model)
@@ -462,7 +479,7 @@ def prepare_model(model: torch.nn.Module, *, shard: bool = False, **ddp_kwargs: 
     return wrapper
 
 
-def _is_sharded(model: Any) -> bool:
+def is_sharded(model: Any) -> bool:
     if "torch.distributed.fsdp" not in sys.modules:
         return False
     from .sharding import is_sharded
@@ -647,7 +664,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, optimizer: Any = 
     it on every rank), and every rank gets the path back. `load_checkpoint` reads it on any
     number of ranks, or in one process.
     """
-    if _is_sharded(obj):
+    if is_sharded(obj):
         from .sharding import save_sharded
 
         return save_sharded(obj, path, optimizer)

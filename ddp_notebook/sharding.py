@@ -211,11 +211,7 @@ def regroup(modules: Iterable[FSDPModule], group: dist.ProcessGroup, registered:
         if mesh.ndim != 1:
             skipped.append(f"a {mesh.ndim}-dimensional mesh {tuple(mesh.shape)}")
             continue
-        if registered:
-            mesh._dim_group_names = [group.group_name]
-            mesh._pg_registry = {group.group_name: group}
-        else:
-            mesh._pg_registry = {}
+        torch_adapter.point_mesh_at(mesh, group if registered else None)
     for info in infos.values():
         if info.mesh.ndim != 1:
             continue

@@ -117,9 +117,9 @@ class StepClock:
 
 
 def _queue_end_of_backward(callback: Any) -> None:
-    import torch
+    from . import torch_adapter  # imports torch: loaded with the first hooked model
 
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    torch_adapter.queue_end_of_backward(callback)
 
 
 CLOCK = StepClock()

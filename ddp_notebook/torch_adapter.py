@@ -78,6 +78,29 @@ def lone_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
     return group
 
 
+def write_mark(tensor: torch.Tensor) -> tuple[int, int, int, int]:
+    """A tensor's identity, storage and write counts (torch bumps a tensor's version on every
+    in-place write): a DTensor counts writes through it (an optimizer's step), its local tensor
+    those made to the shard directly (FSDP's own)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (id(tensor), local.data_ptr(), tensor._version, local._version)
+
+
+def point_mesh_at(mesh: Any, group: dist.ProcessGroup | None) -> None:
+    """Make a one-dimensional DeviceMesh hand out `group` as its process group (None: none at all,
+    so it keeps no old group alive)."""
+    if group is None:
+        mesh._pg_registry = {}
+    else:
+        mesh._dim_group_names = [group.group_name]
+        mesh._pg_registry = {group.group_name: group}
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run `callback` when the autograd engine finishes the backward pass under way."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def fsdp_param_group(module: torch.nn.Module) -> Any:
     """The parameter group FSDP2's `fully_shard` gave `module` (None where it holds no parameters
     of its own): its `mesh_info`, and its `fsdp_params` with theirs."""

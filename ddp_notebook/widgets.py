@@ -12,7 +12,6 @@ ipywidgets and plotly are imported only when a LiveView is made.
 
 from __future__ import annotations
 
-import copy
 import html
 import math
 import sys
@@ -364,8 +363,9 @@ class LiveView:
         # plotly does when a figure is displayed; plotly.js ignores the change) lets what saves
         # widget state (a saved notebook, nbclient, the docs site) keep every curve.
         if self.plot.children:
-            self.figure._widget_data = copy.deepcopy(self.figure._data)
-            self.figure._widget_layout = copy.deepcopy(self.figure._layout_obj._props)
+            from . import plotly_adapter
+
+            plotly_adapter.keep_current_figure(self.figure)
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
         # a cell whose ranks sent nothing yet (shown for its X-ray): the ranks it runs on

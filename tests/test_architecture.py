@@ -143,6 +143,50 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
         assert graph[f"ddp_notebook.{leaf}"] == set(), leaf
 
 
+ADAPTERS = ("ipp_adapter.py", "torch_adapter.py", "plotly_adapter.py")
+# the standard library's own functions spelled with an underscore (documented, public)
+_STDLIB_UNDERSCORED = {"os._exit", "sys._getframe", "sys._current_frames"}
+
+
+def private_reaches(tree: ast.Module) -> list[str]:
+    """`x._name` (and getattr(x, "_name")) where x is not the object itself: another object's
+    internals, a dependency's or another module's of ours. Attributes of our own that we set on
+    objects we made are named `_ddp_notebook_*`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base, attr = ast.unparse(node.value), node.attr
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr", "setattr"):
+            named = len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+            if not named or not isinstance(node.args[1].value, str):
+                continue
+            base, attr = ast.unparse(node.args[0]), node.args[1].value
+        else:
+            continue
+        if not attr.startswith("_") or attr.startswith("__") or attr.startswith("_ddp_notebook_"):
+            continue
+        if base in ("self", "cls") or f"{base}.{attr}" in _STDLIB_UNDERSCORED:
+            continue
+        found.append(f"{base}.{attr}")
+    return found
+
+
+def test_private_reaches_are_found() -> None:
+    code = "mesh._pg_registry = {}\ngetattr(t, '_local_tensor', t)\nself._x\nos._exit(1)\nw._ddp_notebook_kwargs"
+    assert private_reaches(ast.parse(code)) == ["mesh._pg_registry", "t._local_tensor"]
+
+
+def test_no_private_internals_outside_the_adapters() -> None:
+    """By rule: a dependency's internals (torch, ipyparallel, plotly, ipywidgets...) and the private
+    names of our other modules are reached for in an adapter only."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in ADAPTERS:
+            reaches = private_reaches(ast.parse(path.read_text()))
+            offenders += [f"{path.relative_to(PACKAGE)}: {reach}" for reach in reaches]
+    assert offenders == []
+
+
 # the private attributes of each dependency this package reaches for, each set in its adapter
 _PRIVATE = {
     "ipp_adapter.py": ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", "stop_data"),
@@ -156,7 +200,14 @@ _PRIVATE = {
         "._set_default_backend",
         "._get_ddp_logging_data",
         "._compute_bucket_assignment_by_size",
+        "tensor._version",
+        "local._version",
+        "_local_tensor",
+        "._pg_registry",
+        "._dim_group_names",
+        "._execution_engine",
     ),
+    "plotly_adapter.py": ("._widget_data", "._widget_layout", "figure._data", "._layout_obj"),
 }
 
 

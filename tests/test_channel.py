@@ -548,8 +548,8 @@ def test_the_notebook_side_never_imports_torch() -> None:
 def test_only_an_ipyparallel_rank_publishes() -> None:
     from types import SimpleNamespace
 
-    from ddp_notebook.channel import _in_rank
+    from ddp_notebook.channel import in_rank
 
-    assert not _in_rank(None)  # a script
-    assert not _in_rank(SimpleNamespace())  # terminal IPython
-    assert not _in_rank(SimpleNamespace(kernel=object()))  # the notebook's own kernel
+    assert not in_rank(None)  # a script
+    assert not in_rank(SimpleNamespace())  # terminal IPython
+    assert not in_rank(SimpleNamespace(kernel=object()))  # the notebook's own kernel
