@@ -113,6 +113,9 @@ class OutputSink:
         self._on_memory = on_memory
         self._on_collectives = on_collectives
         self._live: dict[str, str] = {}  # stream -> the progress line drawn last, not yet ended
+        # streams written since the last flush: a kernel's flush waits on its IO thread (~0.2 ms),
+        # so a cell with no output flushes nothing
+        self._unflushed: set[str] = set()
 
     def _target(self, stream: str) -> TextIO:
         # looked up at write time: IPython swaps sys.stdout per cell
@@ -153,6 +156,7 @@ class OutputSink:
             first, newline, rest = text.partition("\n")
             text = "\r" + first.ljust(len(drawn)) + newline + rest
         self._target(stream).write(text)
+        self._unflushed.add(stream)
 
     def live(self, rank: int, stream: str, drawing: str) -> None:
         """Show the current drawing of a rank's unfinished progress line, in place of the previous one.
@@ -168,13 +172,15 @@ class OutputSink:
             return
         self._target(stream).write("\r" + line.ljust(len(drawn or "")))
         self._live[stream] = line
+        self._unflushed.add(stream)
 
     def flush(self) -> None:
-        for target in (self._stdout or sys.stdout, self._stderr or sys.stderr):
+        for stream in sorted(self._unflushed):
             try:
-                target.flush()
+                self._target(stream).flush()
             except Exception:  # noqa: BLE001
                 pass
+        self._unflushed.clear()
 
 
 class CellRelay:

@@ -157,3 +157,27 @@ def test_every_rank_replying_in_time_releases_nothing() -> None:
         ranks.reply(rank)
     assert relay.wait(_sink(), timeout=30, supervisor=supervisor) is Ending.DONE
     assert supervisor.calls == [] and not relay.released and relay.failures() == []
+
+
+class CountingStream(io.StringIO):
+    """A stream that counts its flushes (a kernel's flush waits on its IO thread)."""
+
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_the_sink_flushes_only_the_streams_it_wrote_to() -> None:
+    out, err = CountingStream(), CountingStream()
+    sink = OutputSink(out, err, None)
+    sink.flush()  # a cell with no output: nothing to flush
+    assert (out.flushes, err.flushes) == (0, 0)
+    sink.write(1, "stdout", ["step 1"])
+    sink.flush()
+    sink.flush()
+    assert (out.flushes, err.flushes) == (1, 0)
+    assert out.getvalue() == "[rank 1] step 1\n"
+    sink.live(0, "stderr", "50%")
+    sink.flush()
+    assert (out.flushes, err.flushes) == (1, 1)
