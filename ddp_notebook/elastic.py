@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from . import channel, torch_adapter
 from . import rank as rank_side
+from .wire.join import RankSpec
 
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
 # costs a few percent of its step time (benchmarks/elastic.py measures it)
@@ -177,21 +178,21 @@ def restore(seq: int, source: int) -> str:
     return chosen.where
 
 
-def begin_replay(spec: dict[str, Any]) -> None:
-    """Before the setup cells are replayed on a new rank: it is rank `spec['rank']` of the world,
+def begin_replay(spec: RankSpec) -> None:
+    """Before the setup cells are replayed on a new rank: it is rank `spec.rank` of the world,
     in a process group of its own (collectives in setup cells see one rank); joining the
     world's group later moves models from `prepare_model` onto it."""
-    alone = dict(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None)
-    alone["master_port"] = rank_side.open_rendezvous(str(spec["master_addr"]))
+    port = rank_side.open_rendezvous(spec.master_addr)
+    alone = dataclasses.replace(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None, master_port=port)
     rank_side.init_world(alone)
     joined = rank_side.joined_context()
     assert joined is not None  # init_world just set it
     context = dataclasses.replace(
         joined,
-        rank=int(spec["rank"]),
-        world_size=int(spec["world_size"]),
-        local_rank=int(spec["local_rank"]),
-        local_world_size=int(spec["local_world_size"]),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        local_rank=spec.local_rank,
+        local_world_size=spec.local_world_size,
     )
     rank_side.become(context)
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import devices, layout, timing, torch_adapter, xray_rank
 from .network import listen
+from .wire.join import JoinReport, RankSpec
 
 
 @dataclass(frozen=True)
@@ -68,60 +69,57 @@ def close_rendezvous() -> None:
         _state["listener"] = None
 
 
-def init_world(spec: dict[str, Any]) -> dict[str, Any]:
+def init_world(spec: RankSpec) -> JoinReport:
     """Set the torchrun environment, pick the device and join the default process group.
 
-    `spec` holds rank, world_size, local_rank, local_world_size, master_addr, master_port,
-    backend, timeout (seconds), threads and optionally group_rank, gpu (the CUDA_VISIBLE_DEVICES
-    entry of this rank's GPU; None for a CPU rank), socket_ifname and stack_dir. A GPU rank uses
-    `cuda:LOCAL_RANK`, and selecting it is the first CUDA call this process makes. Publishes
-    rank, world_size, local_rank, device, torch and dist into the user namespace.
+    A GPU rank (`spec.gpu`: the CUDA_VISIBLE_DEVICES entry of its GPU) uses `cuda:LOCAL_RANK`, and
+    selecting it is the first CUDA call this process makes. Publishes rank, world_size,
+    local_rank, device, torch and dist into the user namespace.
     """
-    rank = int(spec["rank"])
-    world_size = int(spec["world_size"])
+    rank, world_size = spec.rank, spec.world_size
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(spec["local_rank"]),
-        "LOCAL_WORLD_SIZE": str(spec["local_world_size"]),
-        "GROUP_RANK": str(spec.get("group_rank", 0)),
-        "MASTER_ADDR": str(spec["master_addr"]),
-        "MASTER_PORT": str(spec["master_port"]),
-        "OMP_NUM_THREADS": str(spec["threads"]),
+        "LOCAL_RANK": str(spec.local_rank),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "GROUP_RANK": str(spec.group_rank),
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "OMP_NUM_THREADS": str(spec.threads),
     }
-    if spec.get("socket_ifname"):
+    if spec.socket_ifname:
         # the interface of the route to rank 0 (gloo and NCCL otherwise pick one from the hostname)
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec["socket_ifname"]
-    env.update(_elastic_env(rank, world_size, int(spec["local_world_size"])))
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
+    env.update(_elastic_env(rank, world_size, spec.local_world_size))
     os.environ.update(env)
-    torch.set_num_threads(int(spec["threads"]))
+    torch.set_num_threads(spec.threads)
     _declare_not_interactive()
     sys.path[:] = without_repeats(sys.path)
 
-    device = _choose_device(spec["backend"], spec.get("gpu"), int(spec["local_rank"]))
-    timeout = datetime.timedelta(seconds=float(spec["timeout"]))
+    device = _choose_device(spec.backend, spec.gpu, spec.local_rank)
+    timeout = datetime.timedelta(seconds=spec.timeout)
     _import_dynamo_first()
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = _make_store(rank, world_size, spec["master_addr"], int(spec["master_port"]), timeout)
+    store = _make_store(rank, world_size, spec.master_addr, spec.master_port, timeout)
     init_kwargs: dict[str, Any] = {}
-    if device.type == "cuda" and spec["backend"] == "nccl":
+    if device.type == "cuda" and spec.backend == "nccl":
         # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
         init_kwargs["device_id"] = device
     xray_rank.before_group()
     dist.init_process_group(
-        spec["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
+        spec.backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs
     )
     _share_run_id(store, rank)
     context = RankContext(
         rank=rank,
         world_size=world_size,
-        local_rank=int(spec["local_rank"]),
-        local_world_size=int(spec["local_world_size"]),
+        local_rank=spec.local_rank,
+        local_world_size=spec.local_world_size,
         device=device,
-        backend=spec["backend"],
-        master_addr=str(spec["master_addr"]),
-        master_port=int(spec["master_port"]),
+        backend=spec.backend,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
     )
     _state["context"] = context
     publish_names(context)
@@ -132,28 +130,28 @@ def init_world(spec: dict[str, Any]) -> dict[str, Any]:
     for sampler in list(_state["samplers"]):
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
             sampler.reshard(world_size, rank)
-    if spec.get("check_collectives"):
+    if spec.check_collectives:
         from .strict import check_collectives
 
         # every rank of the new group runs this line: the checks' own group is made here, together
         check_collectives()
-    if spec.get("stack_dir") and not _state.get("stack_dumps"):
+    if spec.stack_dir and not _state.get("stack_dumps"):
         from .stacks import enable_stack_dumps
 
-        enable_stack_dumps(spec["stack_dir"], rank)
-        xray_rank.serve(spec["stack_dir"], rank)
+        enable_stack_dumps(spec.stack_dir, rank)
+        xray_rank.serve(spec.stack_dir, rank)
         _state["stack_dumps"] = True
     xray_address = None
-    if spec.get("xray_key") and spec.get("xray_toward"):
+    if spec.xray_key and spec.xray_toward:
         # a rank on another host: the notebook reaches its X-ray over TCP, signed with the world's key
-        xray_address = xray_rank.serve_tcp(spec["xray_toward"], bytes.fromhex(spec["xray_key"]))
-    return {
-        "device": str(device),
-        "device_name": _device_name(device),
-        "backend": spec["backend"],
-        "main_thread": threading.main_thread().ident,
-        "xray_address": xray_address,
-    }
+        xray_address = xray_rank.serve_tcp(spec.xray_toward, bytes.fromhex(spec.xray_key))
+    return JoinReport(
+        device=str(device),
+        device_name=_device_name(device),
+        backend=spec.backend,
+        main_thread=threading.main_thread().ident,
+        xray_address=xray_address,
+    )
 
 
 def _elastic_env(rank: int, world_size: int, local_world_size: int) -> dict[str, str]:

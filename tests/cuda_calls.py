@@ -19,6 +19,7 @@ The result is one JSON object in `--out`: `calls` (every recorded call, in order
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -194,32 +195,33 @@ def main(argv: list[str] | None = None) -> None:
 
         entrypoints._preload()  # what a rank imports while it registers
         from ddp_notebook import rank
+        from ddp_notebook.wire.join import RankSpec
 
         _record_process_group()
         _inject(args.inject if args.inject != "device-count-at-import" else "none")
-        spec = {
-            "rank": 0,  # rank 0 of a one-rank world, LOCAL_RANK given apart: the device must follow LOCAL_RANK
-            "world_size": 1,
-            "local_rank": args.local_rank,
-            "local_world_size": args.local_rank + 1,
-            "group_rank": 0,
-            "master_addr": "127.0.0.1",
-            "master_port": rank.open_rendezvous("127.0.0.1"),
-            "backend": args.backend,
-            "timeout": 30.0,
-            "threads": 1,
-            "stack_dir": None,
-            "gpu": args.gpu,
-            "socket_ifname": None,
-        }
-        result["info"] = {k: v for k, v in rank.init_world(spec).items() if k != "main_thread"}
+        spec = RankSpec(
+            rank=0,  # rank 0 of a one-rank world, LOCAL_RANK given apart: the device must follow LOCAL_RANK
+            world_size=1,
+            local_rank=args.local_rank,
+            local_world_size=args.local_rank + 1,
+            group_rank=0,
+            master_addr="127.0.0.1",
+            master_port=rank.open_rendezvous("127.0.0.1"),
+            backend=args.backend,
+            timeout=30.0,
+            threads=1,
+            stack_dir=None,
+            gpu=args.gpu,
+            socket_ifname=None,
+        )
+        joined = dataclasses.asdict(rank.init_world(spec))
+        result["info"] = {k: v for k, v in joined.items() if k != "main_thread"}
         result["published"] = {
             name: str(shell.user_ns.get(name)) for name in ("rank", "world_size", "local_rank", "device")
         }
         CALLS.append(["heal"])
         rank.release_group()
-        spec["master_port"] = rank.open_rendezvous("127.0.0.1")
-        rank.init_world(spec)
+        rank.init_world(dataclasses.replace(spec, master_port=rank.open_rendezvous("127.0.0.1")))
         result["helpers"] = _helpers(rank)
         rank.shutdown_world()
     except Exception as failure:  # noqa: BLE001  (the test reads the error from the result)

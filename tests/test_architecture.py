@@ -134,7 +134,8 @@ def test_a_fresh_rank_process_loads_no_kernel_side_module() -> None:
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     kernel_side = [name for name in loaded if name.partition(".")[2].split(".")[0] in KERNEL_SIDE]
     assert kernel_side == [], f"a rank loads kernel-side modules: {kernel_side}"
-    assert len(loaded) < 20, loaded  # 40 before the package root loaded its names lazily
+    # 20 with the entry points above (40 before the package root loaded its names lazily)
+    assert len(loaded) <= 22, loaded
 
 
 def test_leaf_modules_import_nothing_of_the_package() -> None:
@@ -221,3 +222,19 @@ def test_a_dependencys_internals_only_in_its_adapter(adapter: str) -> None:
         offenders += [f"{path.name}: {private}" for private in _PRIVATE[adapter] if private in text]
     assert offenders == []
     assert all(private in (PACKAGE / adapter).read_text() for private in _PRIVATE[adapter]), "a stale entry"
+
+
+def test_the_wire_imports_only_the_standard_library_and_itself() -> None:
+    """The messages between the processes are plain values either side can load."""
+    graph = import_graph()
+    for path in sorted((PACKAGE / "wire").rglob("*.py")):
+        name = _module_name(path)
+        assert {edge for edge in graph[name] if not edge.startswith("ddp_notebook.wire")} == set(), name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert all(root in sys.stdlib_module_names for root in roots), f"{name} imports {roots}"

@@ -1,0 +1,53 @@
+"""How a rank joins its world: what it says about itself, what it is told, what it reports back.
+
+Sent as they are by ipyparallel (pickled over its authenticated channel) and read on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a rank process says about itself before it gets a rank (no torch needed)."""
+
+    host: str
+    pid: int
+    slot: int | None  # the rank a local launch started it for
+    launcher_rank: int | None  # its MPI / Slurm task rank, where a launcher gave one
+    gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries it sees
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to join the world's process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    master_addr: str
+    master_port: int
+    backend: str
+    timeout: float  # seconds a collective may wait
+    threads: int
+    stack_dir: str | None  # where the rank writes its stack dumps (ranks on this host)
+    gpu: str | None  # the CUDA_VISIBLE_DEVICES entry of its GPU, None on CPU
+    socket_ifname: str | None  # interface of the route to rank 0, for gloo / NCCL
+    check_collectives: bool = False  # strict mode (ddp_notebook.strict), on once the group is up
+    # ranks on other hosts: the world's X-ray key (hex) and the notebook's address its X-ray serves toward
+    xray_key: str | None = None
+    xray_toward: str | None = None
+
+
+@dataclass(frozen=True)
+class JoinReport:
+    """What a rank says once it joined the process group."""
+
+    device: str
+    device_name: str
+    backend: str
+    main_thread: int | None
+    xray_address: tuple[str, int] | None = None  # where a rank on another host answers X-ray requests
