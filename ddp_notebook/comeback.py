@@ -21,6 +21,7 @@ from .processes import DEATH_CHECK_SECONDS
 from .provisioning import Provisioner
 from .results import RankInfo
 from .running import RunningWorld
+from .wire.join import Identity
 
 POLL_SECONDS = 0.05
 
@@ -60,7 +61,7 @@ def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     deadline = began + config.start_timeout
     provisioner, world, ranks, client = running.provisioner, running.layout, running.ranks, running.client
     old = len(world.placements)
-    everyone = client[[ranks[r].engine_id for r in sorted(ranks)]]
+    everyone = client[running.engines()]
     everyone.apply_async(rank_calls.take_snapshot, "the resize").get(timeout=_remaining(deadline))
     staying = [ranks[r] for r in sorted(ranks) if r < size]
     if size > old:
@@ -141,7 +142,7 @@ def _wait_for_new_engines(
         time.sleep(POLL_SECONDS)
     new_ids = sorted(set(client.ids) - known)
     described = client[new_ids].apply_async(rank_calls.describe)
-    reports: list[rank_calls.Identity] = described.get(timeout=_remaining(deadline))
+    reports: list[Identity] = described.get(timeout=_remaining(deadline))
     found = {}
     for engine_id, report in zip(described.engine_id, reports):
         if report.slot in slots:

@@ -17,6 +17,7 @@ from .config import WorldConfig, is_loopback
 from .errors import InsecureNetworkWarning, StartError, one_line
 from .provisioning import Provisioner
 from .results import RankInfo
+from .wire.join import Identity, JoinReport, RankSpec
 
 
 @dataclass
@@ -50,7 +51,7 @@ def wait_for_engines(provisioner: Provisioner, deadline: float) -> list[layout.E
         time.sleep(0.02)
     described = client[provisioner.engine_ids(wanted)].apply_async(rank_calls.describe)
     try:
-        reports: list[rank_calls.Identity] = described.get(timeout=_remaining(deadline))
+        reports: list[Identity] = described.get(timeout=_remaining(deadline))
     except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
         raise StartError(f"the ranks did not say who they are: {one_line(failure)}") from None
     return [
@@ -144,7 +145,7 @@ def join_process_group(
     ranks = {}
     for placement in placements:
         try:
-            joined: rank_calls.JoinReport = pending[placement.rank].get(timeout=_remaining(deadline))
+            joined: JoinReport = pending[placement.rank].get(timeout=_remaining(deadline))
         except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
             raise StartError(
                 f"rank {placement.rank} on {placement.host} could not set up torch.distributed: {one_line(failure)}"
@@ -168,11 +169,11 @@ def join_process_group(
 
 def rank_spec(
     config: WorldConfig, world: WorldLayout, placement: layout.Placement, port: int, stack_dir: str | None
-) -> rank_calls.RankSpec:
+) -> RankSpec:
     """What rank `placement.rank` needs to join the group whose rendezvous is at rank 0's `port`."""
     address, interface = world.routes[placement.rank]
     here = placement.host == socket.gethostname()
-    return rank_calls.RankSpec(
+    return RankSpec(
         rank=placement.rank,
         world_size=len(world.placements),
         local_rank=placement.local_rank,

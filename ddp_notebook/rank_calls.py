@@ -11,8 +11,6 @@ from typing import Any
 
 from .wire.join import Identity, JoinReport, RankSpec
 
-__all__ = ["Identity", "JoinReport", "RankSpec"]  # the messages these calls take and give (wire.join)
-
 
 def describe() -> Identity:
     import os
