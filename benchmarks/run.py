@@ -88,7 +88,7 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--frameworks: unknown {', '.join(sorted(unknown))} (choose from {', '.join(FRAMEWORK_NAMES)})")
     if args.subjects and (unknown := set(args.subjects.split(",")) - set(SUBJECTS)):
         parser.error(f"--subjects: unknown {', '.join(sorted(unknown))} (choose from {', '.join(SUBJECTS)})")
-    from ddp_notebook import network
+    from ddp_notebook.platform import network
 
     try:  # the threads ddp_notebook gives a rank are torchrun's too, unless told otherwise
         chosen = world(args.ranks, args.backend, force=True).config.threads_per_rank

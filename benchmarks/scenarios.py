@@ -108,7 +108,8 @@ step = 0
 ddp_notebook.track(model=model, optimizer=optimizer, loader=loader, step=step)
 """
 ELASTIC_COST = """
-from ddp_notebook import elastic
+from ddp_notebook.rank import elastic
+from ddp_notebook.rank.state import RANK
 def run(source, steps):
     global step
     dist.barrier()
@@ -135,7 +136,7 @@ for _ in range(10):
     elastic.snapshot()
     snapshot_s.append(time.perf_counter() - began)
 print(json.dumps({{"tracked_s": tracked, "plain_s": plain, "steps": {blocks} * {steps},
-    "every": elastic._settings["every"], "snapshot_mib": elastic.snapshot_bytes() / 2**20,
+    "every": RANK.tracked.every, "snapshot_mib": elastic.snapshot_bytes() / 2**20,
     "snapshot_ms": 1000 * sorted(snapshot_s)[len(snapshot_s) // 2]}}))
 """
 ELASTIC_DEATH = """
@@ -706,7 +707,7 @@ class Elastic(Scenario):
         notes["model"] = wrap
         template = getattr(world.provisioner, "template", None)
         if template is not None and template.pid:
-            from ddp_notebook import devices
+            from ddp_notebook.platform import devices
 
             notes["spare_template_rss_mb"] = devices.resident_memory_mb(template.pid)
 

@@ -168,7 +168,8 @@ def timing_blocks(rounds: int, block: int, warmup: int) -> dict[str, list[float]
     ("with"; its hooks and torch's global optimizer hooks are taken off again after the block);
     plus microseconds per light X-ray reading (what the notebook asks each rank 4 times a second
     while a cell runs)."""
-    from ddp_notebook import timing, xray_rank
+    from ddp_notebook.rank import timing
+    from ddp_notebook.rank import xray as xray_rank
 
     step, device = _setup(0)
     model = _setup.last_model  # type: ignore[attr-defined]
@@ -200,7 +201,7 @@ def _hooks_alone(rounds: int, block: int) -> dict[str, list[float]]:
     """CPU seconds per block of the same MLP's steps in this process alone, no process group:
     plain, and with the step timing hooked on, alternating. Without the collectives (and the
     peer's timing), what is left is the hooks' own cost, which the DDP blocks' noise hides."""
-    from ddp_notebook import timing
+    from ddp_notebook.rank import timing
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -19,8 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddp_notebook import InsecureNetworkWarning, xray
-from ddp_notebook.xray import CollectiveMismatchError
+from ddp_notebook import InsecureNetworkWarning
+from ddp_notebook.cell import xray
+from ddp_notebook.cell.xray import CollectiveMismatchError
 from tests.multihost import network_namespaces, ssh_hosts
 from tests.test_multinode import ssh_world
 

@@ -23,11 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .channel import Metrics, log, progress
-    from .cluster import DDPCluster
-    from .config import WorldConfig
-    from .debugger import breakpoint
-    from .elastic import snapshot, track
+    from .cell.outcome import CellOutcome, Ending
+    from .cell.xray import CollectiveMismatchError
     from .errors import (
         CellInterruptedError,
         CellTimeoutError,
@@ -40,47 +37,42 @@ if TYPE_CHECKING:
         StartError,
         WorldBrokenError,
     )
-    from .outcome import CellOutcome, Ending
-    from .rank import (
-        barrier,
-        is_main,
-        load_checkpoint,
-        prepare_loader,
-        prepare_model,
-        save_checkpoint,
-        shard_model,
-    )
-    from .results import CellResult, RankInfo, RankStatus
-    from .state import WorldState
-    from .strict import check_collectives
-    from .xray import CollectiveMismatchError
+    from .live.feed import Metrics
+    from .rank.channel import log, progress
+    from .rank.checkpoints import load_checkpoint, save_checkpoint
+    from .rank.debugger import breakpoint
+    from .rank.elastic import snapshot, track
+    from .rank.helpers import barrier, is_main, prepare_loader, prepare_model, shard_model
+    from .rank.strict import check_collectives
+    from .wire.results import CellResult, RankInfo, RankStatus
+    from .world.cluster import DDPCluster
+    from .world.config import WorldConfig
+    from .world.state import WorldState
 
 # Every public name is loaded on first use, from the module that holds it: a rank process that
 # imports `ddp_notebook.rank` loads no kernel-side module, and the kernel never imports torch.
 _HOMES = {
-    "DDPCluster": "cluster",
-    "WorldConfig": "config",
-    "CellOutcome": "outcome",
-    "Ending": "outcome",
-    "CellResult": "results",
-    "RankInfo": "results",
-    "RankStatus": "results",
-    "WorldState": "state",
-    "CollectiveMismatchError": "xray",
-    "breakpoint": "debugger",
-    "check_collectives": "strict",
+    "DDPCluster": "world.cluster",
+    "WorldConfig": "world.config",
+    "CellOutcome": "cell.outcome",
+    "Ending": "cell.outcome",
+    "CellResult": "wire.results",
+    "RankInfo": "wire.results",
+    "RankStatus": "wire.results",
+    "WorldState": "world.state",
+    "CollectiveMismatchError": "cell.xray",
+    "breakpoint": "rank.debugger",
+    "check_collectives": "rank.strict",
     # live progress and metrics (standard library only, no torch)
-    "Metrics": "channel",
-    "log": "channel",
-    "progress": "channel",
+    "Metrics": "live.feed",
+    "log": "rank.channel",
+    "progress": "rank.channel",
     # the training state a world keeps alive when a rank dies (rank side, imports torch)
-    "snapshot": "elastic",
-    "track": "elastic",
+    "snapshot": "rank.elastic",
+    "track": "rank.elastic",
     # the helpers of %%ddp cells (rank side, import torch)
-    **dict.fromkeys(
-        ("barrier", "is_main", "load_checkpoint", "prepare_loader", "prepare_model", "save_checkpoint", "shard_model"),
-        "rank",
-    ),
+    **dict.fromkeys(("barrier", "is_main", "prepare_loader", "prepare_model", "shard_model"), "rank.helpers"),
+    **dict.fromkeys(("load_checkpoint", "save_checkpoint"), "rank.checkpoints"),
     **dict.fromkeys(
         (
             "CellInterruptedError",
@@ -161,14 +153,14 @@ def warm_up(wait: float = 0.0) -> bool:
     if no world took it. `wait`: seconds to wait until it is ready. False where ranks cannot be
     forked (not Linux), with DDP_NOTEBOOK_SPARE=0, or when it was not ready within `wait`.
     """
-    from .spare import start_spare
+    from .world.spare import start_spare
 
     return start_spare(wait)
 
 
 def discard_warm_up() -> None:
     """End the template `warm_up()` started, if no world took it (harmless otherwise)."""
-    from .spare import discard_spare
+    from .world.spare import discard_spare
 
     discard_spare()
 

@@ -6,7 +6,12 @@ so the magics can turn them into IPython `UsageError`s: one line, no traceback.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .wire.results import Death
 
 
 class DDPError(Exception):
@@ -90,7 +95,9 @@ class WorldBrokenError(DDPUsageError):
 class RankDiedError(DDPError):
     """A rank's process died while running a cell."""
 
-    def __init__(self, dead: dict[int, str], failures: list[RankFailure], came_back: str = "", note: str = "") -> None:
+    def __init__(
+        self, dead: Mapping[int, Death], failures: list[RankFailure], came_back: str = "", note: str = ""
+    ) -> None:
         self.dead = dict(dead)
         self.failures = [f for f in failures if f.rank not in dead]
         # what happened after: the world replaced the rank ("" when it could not)

@@ -16,14 +16,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import config, export, launchers, spare, xray
-from .channel import Feed, Metrics, Recorder
-from .cluster import DDPCluster
-from .config import WorldConfig
+from .cell import xray
+from .cell.output import tag_text
 from .errors import DDPUsageError, InsecureNetworkWarning
-from .output import tag_text
-from .report import format_start_summary, format_status, format_values
-from .results import CellResult
+from .live.feed import Feed, Metrics, Recorder
+from .wire.results import CellResult
+from .world import config, export, launchers, spare
+from .world.cluster import DDPCluster
+from .world.config import WorldConfig
+from .world.report import format_start_summary, format_status, format_values
 
 F = TypeVar("F", bound=Callable[..., Any])
 # magic options spelled differently from WorldConfig.build's keywords
@@ -364,13 +365,13 @@ class DDPMagics(Magics):
 
 
 def _preload_widgets() -> None:
-    from .widgets import preload
+    from .live.widgets import preload
 
     preload()
 
 
 def _make_view() -> Any:
-    from .widgets import make_view
+    from .live.widgets import make_view
 
     return make_view()
 

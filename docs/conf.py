@@ -39,6 +39,8 @@ myst_enable_extensions = ["colon_fence"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": False}
+# names a module imports for its annotations only (errors.py may import nothing of the package)
+autodoc_type_aliases = {"Death": "ddp_notebook.wire.results.Death"}
 # every reference must resolve, except to the libraries ddp_notebook builds on, whose docs are
 # not fetched (the build reads nothing from the network)
 nitpicky = True

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ddp_notebook import DDPCluster
-from ddp_notebook.processes import OWNER_PID_ENV
+from ddp_notebook.platform.processes import OWNER_PID_ENV
 
 
 def pid_alive(pid: int) -> bool:

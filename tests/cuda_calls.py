@@ -159,9 +159,11 @@ def _helpers(rank: Any) -> dict[str, Any]:
     real_ddp, real_barrier = torch.nn.parallel.DistributedDataParallel, dist.barrier
     torch.nn.parallel.DistributedDataParallel, dist.barrier = Wrapper, barrier  # type: ignore[assignment, misc]
     try:
-        rank.prepare_model(Model())
-        rank.barrier()
-        seen["loader_pin_memory"] = rank.prepare_loader(list(range(8)), batch_size=2).pin_memory
+        from ddp_notebook.rank import helpers
+
+        helpers.prepare_model(Model())
+        helpers.barrier()
+        seen["loader_pin_memory"] = helpers.prepare_loader(list(range(8)), batch_size=2).pin_memory
         seen["context_device"] = str(rank.context().device)
     finally:
         torch.nn.parallel.DistributedDataParallel, dist.barrier = real_ddp, real_barrier  # type: ignore[misc]
@@ -191,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:
 
         if args.inject == "device-count-at-import":
             _inject(args.inject)
-        from ddp_notebook import entrypoints
+        from ddp_notebook.rank import entrypoints
 
         entrypoints._preload()  # what a rank imports while it registers
-        from ddp_notebook import rank
+        from ddp_notebook.rank import group as rank
         from ddp_notebook.wire.join import RankSpec
 
         _record_process_group()

@@ -104,47 +104,140 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_no_import_circle() -> None:
     graph = import_graph()
-    assert graph["ddp_notebook.cluster"] >= {"ddp_notebook.provisioning", "ddp_notebook.forming"}  # it sees edges
+    # it sees edges
+    assert graph["ddp_notebook.world.cluster"] >= {"ddp_notebook.world.provisioning", "ddp_notebook.world.forming"}
     # the root's lazy names are edges too
-    assert graph["ddp_notebook"] >= {"ddp_notebook.cluster", "ddp_notebook.rank", "ddp_notebook.magics"}
+    assert graph["ddp_notebook"] >= {"ddp_notebook.world.cluster", "ddp_notebook.rank.helpers", "ddp_notebook.magics"}
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph) or [])}"
 
 
 def test_an_import_of_a_package_name_is_an_edge_to_the_package() -> None:
     graph = import_graph()
-    assert "ddp_notebook" not in graph["ddp_notebook.rank_calls"]  # `from ddp_notebook import rank`: a module
-    assert "ddp_notebook.provisioning" in graph["ddp_notebook.running"]  # `from .provisioning import Provisioner`
+    # `from ddp_notebook.rank import group`: a module, not a name of ddp_notebook.rank
+    assert "ddp_notebook.rank" not in graph["ddp_notebook.rank.calls"]
+    assert "ddp_notebook.rank.group" in graph["ddp_notebook.rank.calls"]
+    # `from .provisioning import Provisioner`: a name of the package's __init__
+    assert "ddp_notebook.world.provisioning" in graph["ddp_notebook.world.running"]
 
 
-# the modules that run in the kernel (or talk to ipyparallel from there); a rank process loads none
-KERNEL_SIDE = {
-    "cluster", "comeback", "config", "controller", "debugging", "export", "forming", "ipp_adapter",
-    "launchers", "magics", "outcome", "output", "provisioning", "relay", "report", "running", "spare",
-    "state", "supervision", "syntax", "template", "widgets", "xray",
+# A folder is where its code runs.
+SIDES = {
+    "wire": "the messages and calls between processes (standard library only)",
+    "platform": "what the machine gives a process (standard library only)",
+    "rank": "a rank process",
+    "world": "the kernel: a world and its processes",
+    "cell": "the kernel: a cell in flight",
+    "live": "the kernel: what a running cell shows",
+}
+KERNEL_SIDE = ("world", "cell", "live")
+STANDARD_LIBRARY_ONLY = ("wire", "platform")
+# the package root holds its public face only: lazy names, the magics, the errors users catch, the datasets
+ROOT_MODULES = {
+    "ddp_notebook", "ddp_notebook._version", "ddp_notebook.errors", "ddp_notebook.datasets", "ddp_notebook.magics",
 }  # fmt: skip
+ROOT_STANDARD_LIBRARY_ONLY = ("ddp_notebook._version", "ddp_notebook.errors")
+# the datasets of the notebooks' cells: standard library at import, torch inside the functions that make tensors
+ROOT_TORCH_WHEN_CALLED = ("ddp_notebook.datasets",)
+
+
+def side_of(module: str) -> str:
+    """The folder a module is in (`root` for the package root's own modules)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SIDES else "root"
+
+
+def is_kernel_side(module: str) -> bool:
+    return side_of(module) in KERNEL_SIDE or module == "ddp_notebook.magics"
+
+
+def test_the_side_rules_see_what_they_check() -> None:
+    assert side_of("ddp_notebook.world.provisioning.local") == "world"
+    assert side_of("ddp_notebook.rank") == "rank" and side_of("ddp_notebook.errors") == "root"
+    assert is_kernel_side("ddp_notebook.magics") and is_kernel_side("ddp_notebook.live.feed")
+    assert not is_kernel_side("ddp_notebook.rank.calls") and not is_kernel_side("ddp_notebook.wire.join")
+
+
+def test_every_module_is_in_a_side_folder() -> None:
+    """A new module goes in the folder of the process that runs it, not beside the root's public face."""
+    stray = sorted(name for name in import_graph() if side_of(name) == "root" and name not in ROOT_MODULES)
+    assert stray == [], f"modules outside the side folders {sorted(SIDES)}: {stray}"
+    assert {side_of(name) for name in import_graph()} == {*SIDES, "root"}
+
+
+def test_the_rank_side_never_imports_the_kernel_side() -> None:
+    graph = import_graph()
+    crossing = [
+        f"{name} -> {edge}"
+        for name in sorted(graph)
+        if side_of(name) == "rank"
+        for edge in sorted(graph[name])
+        if is_kernel_side(edge) or edge == "ddp_notebook"  # the root's lazy names reach every side
+    ]
+    assert crossing == []
+
+
+@pytest.mark.parametrize("folder", [*STANDARD_LIBRARY_ONLY, "root"])
+def test_the_wire_and_the_platform_import_only_the_standard_library(folder: str) -> None:
+    """The messages between the processes are plain values either side can load; the platform's
+    facts are read without torch; the root's errors and datasets load on either side."""
+    graph = import_graph()
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    chosen = [*ROOT_STANDARD_LIBRARY_ONLY, *ROOT_TORCH_WHEN_CALLED] if folder == "root" else []
+    chosen += [m for m in modules if side_of(m) == folder and folder != "root"]
+    assert chosen
+    for name in chosen:
+        own = f"ddp_notebook.{folder}" if folder != "root" else None
+        assert {edge for edge in graph[name] if own is None or not edge.startswith(own)} == set(), name
+        tree = ast.parse(modules[name].read_text())
+        for node in tree.body if name in ROOT_TORCH_WHEN_CALLED else ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert all(root in sys.stdlib_module_names for root in roots), f"{name} imports {roots}"
+
+
 # what a rank process imports: its entry point, the rank side, the calls the notebook makes on it
-RANK_ENTRY = ("ddp_notebook.entrypoints", "ddp_notebook.rank", "ddp_notebook.rank_calls", "ddp_notebook.elastic")
+RANK_ENTRY = (
+    "ddp_notebook.rank.entrypoints",
+    "ddp_notebook.rank.group",
+    "ddp_notebook.rank.calls",
+    "ddp_notebook.rank.elastic",
+)
 
 
 def test_a_fresh_rank_process_loads_no_kernel_side_module() -> None:
+    """Checked in a fresh process, through sys.modules: what a rank's imports really load, the
+    package roots included. First a rank's own imports (counted), then every rank-side module."""
+    every_rank_module = sorted(name for name in import_graph() if side_of(name) == "rank")
     code = (
-        f"import importlib, json, sys\nfor name in {RANK_ENTRY!r}:\n    importlib.import_module(name)\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('ddp_notebook'))))"
+        "import importlib, json, sys\n"
+        "def loaded(): return sorted(m for m in sys.modules if m.startswith('ddp_notebook'))\n"
+        f"for name in {RANK_ENTRY!r}:\n    importlib.import_module(name)\n"
+        "first = loaded()\n"
+        f"for name in {every_rank_module!r}:\n    importlib.import_module(name)\n"
+        "print(json.dumps([first, loaded()]))"
     )
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    kernel_side = [name for name in loaded if name.partition(".")[2].split(".")[0] in KERNEL_SIDE]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    first, everything = json.loads(run.stdout)
+    kernel_side = [name for name in everything if is_kernel_side(name)]
     assert kernel_side == [], f"a rank loads kernel-side modules: {kernel_side}"
-    # 20 with the entry points above (40 before the package root loaded its names lazily)
-    assert len(loaded) <= 22, loaded
+    # 23 with the entry points above, 4 of them package roots (40 before the package root loaded its
+    # names lazily, all of them side by side, kernel side included)
+    assert len(first) <= 24, first
 
 
 def test_leaf_modules_import_nothing_of_the_package() -> None:
     graph = import_graph()
-    for leaf in ("results", "state", "output", "ipp_adapter", "torch_adapter", "errors"):
+    leaves = ("wire.results", "world.state", "cell.output", "world.ipp_adapter", "rank.torch_adapter", "errors")
+    for leaf in leaves:
         assert graph[f"ddp_notebook.{leaf}"] == set(), leaf
 
 
-ADAPTERS = ("ipp_adapter.py", "torch_adapter.py", "plotly_adapter.py")
+# each dependency's internals, in the folder of the side that uses that dependency
+ADAPTERS = ("world/ipp_adapter.py", "rank/torch_adapter.py", "live/plotly_adapter.py")
 # the standard library's own functions spelled with an underscore (documented, public)
 _STDLIB_UNDERSCORED = {"os._exit", "sys._getframe", "sys._current_frames"}
 
@@ -182,7 +275,7 @@ def test_no_private_internals_outside_the_adapters() -> None:
     names of our other modules are reached for in an adapter only."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name not in ADAPTERS:
+        if path.relative_to(PACKAGE).as_posix() not in ADAPTERS:
             reaches = private_reaches(ast.parse(path.read_text()))
             offenders += [f"{path.relative_to(PACKAGE)}: {reach}" for reach in reaches]
     assert offenders == []
@@ -190,8 +283,8 @@ def test_no_private_internals_outside_the_adapters() -> None:
 
 # the private attributes of each dependency this package reaches for, each set in its adapter
 _PRIVATE = {
-    "ipp_adapter.py": ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", "stop_data"),
-    "torch_adapter.py": (
+    "world/ipp_adapter.py": ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", "stop_data"),
+    "rank/torch_adapter.py": (
         "torch._C",
         "_composable_state",
         "._get_fsdp_state",
@@ -208,7 +301,7 @@ _PRIVATE = {
         "._dim_group_names",
         "._execution_engine",
     ),
-    "plotly_adapter.py": ("._widget_data", "._widget_layout", "figure._data", "._layout_obj"),
+    "live/plotly_adapter.py": ("._widget_data", "._widget_layout", "figure._data", "._layout_obj"),
 }
 
 
@@ -216,25 +309,45 @@ _PRIVATE = {
 def test_a_dependencys_internals_only_in_its_adapter(adapter: str) -> None:
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == adapter:
+        if path.relative_to(PACKAGE).as_posix() == adapter:
             continue
         text = path.read_text()
-        offenders += [f"{path.name}: {private}" for private in _PRIVATE[adapter] if private in text]
+        offenders += [f"{path.relative_to(PACKAGE)}: {private}" for private in _PRIVATE[adapter] if private in text]
     assert offenders == []
     assert all(private in (PACKAGE / adapter).read_text() for private in _PRIVATE[adapter]), "a stale entry"
 
 
-def test_the_wire_imports_only_the_standard_library_and_itself() -> None:
-    """The messages between the processes are plain values either side can load."""
-    graph = import_graph()
-    for path in sorted((PACKAGE / "wire").rglob("*.py")):
-        name = _module_name(path)
-        assert {edge for edge in graph[name] if not edge.startswith("ddp_notebook.wire")} == set(), name
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level:
-                roots = [(node.module or "").split(".")[0]]
-            else:
-                continue
-            assert all(root in sys.stdlib_module_names for root in roots), f"{name} imports {roots}"
+_MUTABLE_CALLS = {"dict", "set", "list", "deque", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict"}
+
+
+def module_level_state(tree: ast.Module) -> list[str]:
+    """Names a module binds at its top level to a mutable container: state kept by the module."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        called = ast.unparse(value.func).split(".")[-1] if isinstance(value, ast.Call) else ""
+        if isinstance(value, (ast.Dict, ast.Set, ast.List, ast.DictComp, ast.SetComp, ast.ListComp)) or (
+            called in _MUTABLE_CALLS
+        ):
+            found += [ast.unparse(target) for target in targets]
+    return found
+
+
+def test_module_level_state_is_found() -> None:
+    code = "A = (1, 2)\n_s: dict[str, int] = {}\n_q = deque(maxlen=2)\n_w = weakref.WeakSet()\nX = frozenset()"
+    assert module_level_state(ast.parse(code)) == ["_s", "_q", "_w"]
+
+
+def test_a_ranks_state_is_one_typed_object() -> None:
+    """Everything a rank process keeps between cells is a field of `rank.state.RANK` (one typed
+    object), not a dict of some module's that only a string key names."""
+    offenders = []
+    for path in sorted((PACKAGE / "rank").glob("*.py")):
+        if path.name != "state.py":
+            offenders += [f"rank/{path.name}: {name}" for name in module_level_state(ast.parse(path.read_text()))]
+    assert offenders == []

@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from ddp_notebook import devices
+from ddp_notebook.platform import devices
 from tests.conftest import QUICK_NOTEBOOKS
 
 pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
@@ -183,9 +183,9 @@ def run_notebooks(argv: list[str]) -> int:
                         role = "other"
                         if "ipykernel_launcher" in argv:
                             role = "kernel"
-                        elif argv[1:3] == ["-m", "ddp_notebook.entrypoints"]:  # a rank (or the controller) itself,
+                        elif argv[1:3] == ["-m", "ddp_notebook.rank.entrypoints"]:  # a rank (or the controller) itself,
                             role = "rank" if "engine" in argv else "controller"  # not a launcher such as mpiexec
-                        elif argv[1:3] == ["-m", "ddp_notebook.template_process"]:
+                        elif argv[1:3] == ["-m", "ddp_notebook.rank.template_process"]:
                             # the warm template, or a rank or the controller forked from it (which keep
                             # its argv; the fork names itself ddp-rankN or ddp-controller)
                             forked = process.parent().cmdline()[1:3] == argv[1:3]

@@ -7,18 +7,10 @@ from typing import Any
 
 import pytest
 
-from ddp_notebook.channel import (
-    FLUSH_SECONDS,
-    MESSAGE_KEY,
-    XRAY_SHOW_SECONDS,
-    Channel,
-    Feed,
-    Metrics,
-    Progress,
-    RankMessage,
-    Recorder,
-)
-from ddp_notebook.xray import Collective, RankCollectives
+from ddp_notebook.cell.xray import Collective, RankCollectives
+from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed, Metrics, Recorder
+from ddp_notebook.rank.channel import Channel, Progress
+from ddp_notebook.wire.channel import FLUSH_SECONDS, MESSAGE_KEY, RankMessage
 
 
 class Clock:
@@ -503,7 +495,7 @@ def test_data_published_before_the_relay_listened_is_caught_up(clock: Clock) -> 
     """The cell relay replays the data ipyparallel folded into a message's metadata."""
     from types import SimpleNamespace
 
-    from ddp_notebook.relay import CellRelay
+    from ddp_notebook.cell.relay import CellRelay
 
     sent: list[dict[str, Any]] = []
     Channel(publish=sent.append, clock=clock).log(None, {"loss": 1.0})
@@ -536,7 +528,7 @@ def test_the_notebook_side_never_imports_torch() -> None:
 
     code = (
         "import sys, ddp_notebook\n"
-        "from ddp_notebook import log, progress, Metrics, widgets\n"
+        "from ddp_notebook import log, progress, Metrics\nfrom ddp_notebook.live import widgets\n"
         "ddp_notebook.log(loss=1.0)\n"
         "assert list(ddp_notebook.progress(range(2))) == [0, 1]\n"
         "widgets.LiveView()\n"
@@ -548,8 +540,32 @@ def test_the_notebook_side_never_imports_torch() -> None:
 def test_only_an_ipyparallel_rank_publishes() -> None:
     from types import SimpleNamespace
 
-    from ddp_notebook.channel import in_rank
+    from ddp_notebook.rank.channel import in_rank
 
     assert not in_rank(None)  # a script
     assert not in_rank(SimpleNamespace())  # terminal IPython
     assert not in_rank(SimpleNamespace(kernel=object()))  # the notebook's own kernel
+
+
+def test_one_run_state_type_on_both_sides() -> None:
+    """A rank's cell states are one type (wire.channel.RunState): what a rank sends when its cell
+    ends, how the notebook ends the ranks that never said, and what the live view can color."""
+    from typing import get_args
+
+    from ddp_notebook.cell.outcome import CellOutcome, Ending
+    from ddp_notebook.live.widgets import STATE_COLORS
+    from ddp_notebook.wire.channel import CellEnd, RunState
+    from ddp_notebook.wire.results import CellResult
+
+    assert set(get_args(CellEnd)) < set(get_args(RunState))
+    assert set(STATE_COLORS) == set(get_args(RunState))
+    ended = {CellOutcome(CellResult(ranks=(0,)), ending=ending).view_state for ending in Ending}
+    assert ended == {None, "stopped"} and ended - {None} <= set(get_args(CellEnd))
+    sent: list[dict[str, Any]] = []
+    channel = Channel(publish=sent.append)
+    for state in get_args(RunState)[1:]:  # each way a rank's cell ends, one cell each
+        channel.begin_cell()
+        channel.log(None, {"loss": 1.0})
+        channel.end_cell(state)
+    states = [message[MESSAGE_KEY]["state"] for message in sent]
+    assert states == ["running", "done", "running", "failed", "running", "stopped"]

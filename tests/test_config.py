@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_notebook import devices, network
-from ddp_notebook.config import WorldConfig, parse_rank_count, parse_ranks
 from ddp_notebook.errors import DDPUsageError
+from ddp_notebook.platform import devices, network
+from ddp_notebook.world.config import WorldConfig, parse_rank_count, parse_ranks
 
 
 @pytest.fixture

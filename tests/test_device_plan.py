@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_notebook import devices, layout
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.layout import EngineIdentity, gpu_problem, gpu_visibility, place_ranks, rank_device
+from ddp_notebook.platform import devices
+from ddp_notebook.platform.devices import gpu_problem, rank_device
+from ddp_notebook.world import layout
+from ddp_notebook.world.layout import EngineIdentity, gpu_visibility, place_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,9 +119,10 @@ def test_listed_gpus_reads_the_environment_only(monkeypatch: pytest.MonkeyPatch)
 
 def test_context_outside_a_world_uses_cuda_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (no ddp_notebook world), the helpers follow the same rule."""
-    from ddp_notebook import rank
+    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank.state import RANK
 
-    monkeypatch.setitem(rank._state, "context", None)
+    monkeypatch.setattr(RANK.membership, "context", None)
     monkeypatch.setattr(rank.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(rank.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(rank.dist, "get_rank", lambda group=None: 3)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from ddp_notebook import DDPCluster, RankDiedError, RankError, WorldBrokenError
-from ddp_notebook.rank import EpochDataLoader, ResumableSampler
+from ddp_notebook.rank.helpers import EpochDataLoader, ResumableSampler
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -142,7 +142,7 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
         # a cell on some ranks only is no point of the whole world: it takes no snapshot, so a
         # snapshot's number means the same point on every rank (survivors must share one)
         world.execute("alone = True", ranks=[0])
-        numbers = world.execute("from ddp_notebook import elastic\nelastic.snapshot_numbers()", stream=False)
+        numbers = world.execute("from ddp_notebook.rank import elastic\nelastic.snapshot_numbers()", stream=False)
         assert len({numbers.value_text(rank) for rank in range(size)}) == 1
         survivor_pid = world.ranks[0].pid
         # the victim dies mid-epoch (epoch 1); the world is back without any call
@@ -194,10 +194,13 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
         reference, reference_seen = _reference(world, FSDP)
         world.execute(_build("", FSDP, DROP) + TRACK, setup=True)
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
-        world.execute("from ddp_notebook import elastic\nkept = [s.where for s in elastic._snapshots]")
+        world.execute(
+            "from ddp_notebook.rank import elastic\nfrom ddp_notebook.rank.state import RANK\n"
+            "kept = [s.where for s in RANK.tracked.snapshots]"
+        )
         assert world.pull("kept") == _everyone(world, ["the end of a cell"])
         # a cell that left the model and optimizer as they were: each rank snapshots alone, reusing the gathered copy
-        world.execute("reused = elastic._snapshots[-1].state['model'] is elastic._snapshots[-2].state['model']")
+        world.execute("reused = RANK.tracked.snapshots[-1].state['model'] is RANK.tracked.snapshots[-2].state['model']")
         assert world.pull("reused") == _everyone(world, True)
         numbers = world.execute("elastic.snapshot_numbers()", stream=False)
         assert {numbers.value_text(rank) for rank in range(size)} == {"[2, 3]"}
@@ -365,7 +368,7 @@ def test_what_cannot_be_tracked_is_refused_with_one_line(world: DDPCluster) -> N
             world.execute(plain)
     finally:
         world.execute("direct = sharded = opt = plain = None")  # the shared world's later heals need not move them
-    assert world.execute("from ddp_notebook import elastic\nelastic.tracked()", stream=False).value_text(0) == "[]"
+    assert world.execute("from ddp_notebook.rank import elastic\nelastic.tracked()", stream=False).value_text(0) == "[]"
 
 
 def _loaders(data: TensorDataset, replicas: int) -> list[EpochDataLoader]:

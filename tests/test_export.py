@@ -12,7 +12,7 @@ import torch
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.export import CellRecord, choose, listing, parse_selection, render
+from ddp_notebook.world.export import CellRecord, choose, listing, parse_selection, render
 
 CELLS = [
     "import os\n"

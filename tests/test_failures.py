@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ddp_notebook import CellTimeoutError, DDPCluster, RankDiedError, RankError, WorldBrokenError
+from ddp_notebook.wire.results import Death
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ def test_a_dead_rank_is_named_within_seconds_and_restart_brings_a_full_world(own
         world.execute("import os, time\nif rank == 1:\n    time.sleep(0.3)\n    os._exit(7)\ndist.all_reduce(x)")
     assert time.monotonic() - began < 10
     error = caught.value
-    assert error.dead == {1: "exited with code 7"}
+    assert error.dead == {1: Death("exited", "exited with code 7", 7)}
     assert "%ddp_restart" in str(error)
     others = [rank for rank in range(world.world_size) if rank != 1]
     assert sorted(f.rank for f in error.failures) == others  # released from the collective, not hung

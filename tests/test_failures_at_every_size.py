@@ -24,6 +24,7 @@ from ddp_notebook import (
     RankDiedError,
     RankError,
 )
+from ddp_notebook.wire.results import Death
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -162,7 +163,7 @@ def test_a_failure_is_named_and_the_next_cell_works_with_state_kept(
         assert "the process group was set up again" in text
     elif case == "death":
         assert isinstance(error, RankDiedError)
-        assert error.dead == {failing: "was killed by SIGKILL"}
+        assert error.dead == {failing: Death("signal", "was killed by SIGKILL", -9)}
         assert str(error).startswith(f"rank {failing} was killed by SIGKILL. Rank {failing} came back in ")
         # the survivors were released from the collective (a broadcast may have let some finish)
         assert {f.rank for f in error.failures} <= set(others)

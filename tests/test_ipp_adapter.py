@@ -1,4 +1,4 @@
-"""Each use of ipyparallel's private internals (ddp_notebook.ipp_adapter), on real clusters.
+"""Each use of ipyparallel's private internals (ddp_notebook.world.ipp_adapter), on real clusters.
 
 ipyparallel is bounded in pyproject.toml to the versions these tests pass on.
 """
@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from ddp_notebook import DDPCluster, ipp_adapter
-from ddp_notebook.provisioning.local import engine_set_id
+from ddp_notebook import DDPCluster
+from ddp_notebook.world import ipp_adapter
+from ddp_notebook.world.provisioning.local import engine_set_id
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook import DDPCluster, RankDiedError, processes
+from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.errors import DDPUsageError
+from ddp_notebook.platform import processes
 from tests.conftest import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration

@@ -6,10 +6,11 @@ import socket
 
 import pytest
 
-from ddp_notebook import config, launchers, network
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.layout import EngineIdentity, gpus_everywhere, place_ranks, spans_hosts
-from ddp_notebook.report import describe_layout
+from ddp_notebook.platform import network
+from ddp_notebook.world import config, launchers
+from ddp_notebook.world.layout import EngineIdentity, gpus_everywhere, place_ranks, spans_hosts
+from ddp_notebook.world.report import describe_layout
 
 
 def engine(engine_id: int, host: str, launcher_rank: int | None = None, gpus: int = 0) -> EngineIdentity:
@@ -138,7 +139,7 @@ def test_routes_and_probe_on_loopback() -> None:
 
 
 def test_layout_line_names_each_hosts_ranks() -> None:
-    from ddp_notebook.results import RankInfo
+    from ddp_notebook.wire.results import RankInfo
 
     ranks = [
         RankInfo(rank=r, engine_id=r, host=h, pid=r, device="cpu", device_name="cpu", gpu=None)

@@ -103,6 +103,6 @@ def test_curve_encryption_on_request(no_leaks: None, capsys: pytest.CaptureFixtu
         client_file = security / f"ipcontroller-{world.provisioner.cluster.cluster_id}-client.json"
         assert json.loads(client_file.read_text())["curve_serverkey"]  # clients and ranks must use it
         assert world.execute("rank + 1", stream=False).values == {0: {"text/plain": "1"}, 1: {"text/plain": "2"}}
-        from ddp_notebook.report import format_start_summary
+        from ddp_notebook.world.report import format_start_summary
 
         assert "encrypted (CurveZMQ)" in format_start_summary(world)

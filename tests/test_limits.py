@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook import devices, limits
-from ddp_notebook.config import RANK_MEMORY_BYTES, WorldConfig
+from ddp_notebook.cell.relay import OutputSink
+from ddp_notebook.cell.supervision import MemoryWatch
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.limits import MIB, Cgroup, GpuInfo, MemoryLimit, OomCounts, Platform
-from ddp_notebook.processes import describe_exit
-from ddp_notebook.relay import OutputSink
-from ddp_notebook.report import format_status
-from ddp_notebook.results import MemoryReading, RankInfo, RankStatus
-from ddp_notebook.supervision import MemoryWatch
+from ddp_notebook.platform import devices, limits
+from ddp_notebook.platform.limits import MIB, Cgroup, GpuInfo, MemoryLimit, OomCounts, Platform
+from ddp_notebook.platform.processes import describe_exit
+from ddp_notebook.wire.results import MemoryReading, RankInfo, RankStatus
+from ddp_notebook.world.config import RANK_MEMORY_BYTES, WorldConfig
+from ddp_notebook.world.report import format_status
 from tests.conftest import owned_pids, wait_gone
 
 GIB = 1 << 30
@@ -355,8 +355,8 @@ def test_status_shows_each_rank_against_the_limit() -> None:
 
 
 def test_the_live_status_table_has_a_memory_column() -> None:
-    from ddp_notebook.channel import Feed, RankState
-    from ddp_notebook.widgets import memory_header, status_table
+    from ddp_notebook.live.feed import Feed, RankState
+    from ddp_notebook.live.widgets import memory_header, status_table
 
     feed = Feed()
     feed.ranks[0] = RankState(0)
@@ -394,7 +394,7 @@ CELL_LIMIT = 1536 * MIB
 GROW_CELL = textwrap.dedent(
     """
     import time
-    from ddp_notebook.limits import Platform
+    from ddp_notebook.platform.limits import Platform
     if rank == 1:
         platform, held = Platform(), []
         while platform.memory_limit().fraction < 0.95:   # up to 95% of the cgroup's limit

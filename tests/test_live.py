@@ -12,8 +12,9 @@ from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 from ddp_notebook import DDPCluster, Metrics, RankError
-from ddp_notebook.channel import FLUSH_SECONDS, XRAY_SHOW_SECONDS, Feed
-from ddp_notebook.widgets import steps_table, xray_table
+from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed
+from ddp_notebook.live.widgets import steps_table, xray_table
+from ddp_notebook.wire.channel import FLUSH_SECONDS
 
 pytestmark = pytest.mark.integration
 

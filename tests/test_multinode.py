@@ -15,9 +15,12 @@ import warnings
 
 import pytest
 
-from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError, StartError, xray, xray_wire
+from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError, StartError
+from ddp_notebook.cell import xray
+from ddp_notebook.cell.xray import CollectiveMismatchError
 from ddp_notebook.errors import CellTimeoutError
-from ddp_notebook.xray import CollectiveMismatchError
+from ddp_notebook.wire import xray as xray_wire
+from ddp_notebook.wire.xray_messages import error_answer, release_request
 from tests import multihost
 from tests.conftest import wait_gone
 from tests.multihost import Network, SlurmCluster, SSHHosts
@@ -162,17 +165,17 @@ def check_xray_across_hosts(world: DDPCluster, addresses: tuple[str, str]) -> No
     with socket.create_connection((host, port), timeout=5) as connection:
         reader = connection.makefile("r", encoding="utf8")
         challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
-        forged = xray_wire.signed(b"x" * xray_wire.KEY_BYTES, challenge, xray_wire.ASK, {"ask": "release"})
+        forged = xray_wire.signed(b"x" * xray_wire.KEY_BYTES, challenge, xray_wire.ASK, dict(release_request()))
         connection.sendall(xray_wire.line(forged))
-        assert json.loads(reader.readline()) == {"error": xray_wire.REFUSED}
+        assert json.loads(reader.readline()) == error_answer(xray_wire.REFUSED)
     with socket.create_connection((host, port), timeout=5) as connection:
         reader = connection.makefile("r", encoding="utf8")
         old_challenge = challenge
         challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
         assert challenge != old_challenge
-        replayed = xray_wire.signed(key, old_challenge, xray_wire.ASK, {"ask": "release"})
+        replayed = xray_wire.signed(key, old_challenge, xray_wire.ASK, dict(release_request()))
         connection.sendall(xray_wire.line(replayed))
-        assert json.loads(reader.readline()) == {"error": xray_wire.REFUSED}
+        assert json.loads(reader.readline()) == error_answer(xray_wire.REFUSED)
     # nothing was released: the group still works without a heal
     heals = world.last_heal_seconds
     assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(0) == "2.0"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ddp_notebook.cell.output import LineAssembler, tag_lines
+from ddp_notebook.cell.syntax import CellSyntaxError, check_syntax
 from ddp_notebook.errors import RankError, RankFailure
-from ddp_notebook.output import LineAssembler, tag_lines
-from ddp_notebook.syntax import CellSyntaxError, check_syntax
 
 
 def test_lines_split_across_chunks_are_joined() -> None:

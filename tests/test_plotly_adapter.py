@@ -1,4 +1,4 @@
-"""Each use of plotly's private internals (ddp_notebook.plotly_adapter), on a real FigureWidget.
+"""Each use of plotly's private internals (ddp_notebook.live.plotly_adapter), on a real FigureWidget.
 
 plotly is bounded in pyproject.toml to the versions these tests pass on; test_widgets checks the
 live view that relies on it end to end (the saved state of a finished cell holds every curve).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ddp_notebook import plotly_adapter
+from ddp_notebook.live import plotly_adapter
 
 
 def test_the_current_figure_is_kept_in_the_widget_state() -> None:

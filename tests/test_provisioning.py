@@ -15,18 +15,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddp_notebook import DDPCluster, WorldConfig, devices, launchers, rank_calls
-from ddp_notebook.config import AttachTarget
+from ddp_notebook import DDPCluster, WorldConfig
 from ddp_notebook.errors import DDPUsageError, StartError
-from ddp_notebook.processes import OWNER_PID_ENV, SLOT_ENV
-from ddp_notebook.provisioning import (
+from ddp_notebook.platform import devices
+from ddp_notebook.platform.limits import OomVerdict
+from ddp_notebook.platform.processes import OWNER_PID_ENV, SLOT_ENV
+from ddp_notebook.rank import calls as rank_calls
+from ddp_notebook.wire.results import Death, RankInfo
+from ddp_notebook.world import launchers
+from ddp_notebook.world.config import AttachTarget
+from ddp_notebook.world.provisioning import (
     AttachedProvisioner,
     LauncherProvisioner,
     LocalProvisioner,
     Provisioner,
     provisioner_for,
 )
-from ddp_notebook.results import RankInfo
+from ddp_notebook.world.provisioning.base import death_of
 from tests.conftest import wait_gone
 
 
@@ -115,7 +120,8 @@ def test_ranks_elsewhere_are_dead_when_their_pid_or_heartbeat_is_gone(cpu_machin
         gone.wait(10)
         ranks = [_info(0, sleeper.pid, 10), _info(1, gone.pid, 11), _info(2, 1, 12, host="elsewhere")]
         dead = provisioner.dead_ranks(ranks)
-        assert set(dead) == {1, 2} and dead[1] == "exited" and "on elsewhere was lost" in dead[2]
+        assert set(dead) == {1, 2} and dead[1] == Death("exited", "exited")
+        assert dead[2].cause == "lost" and "on elsewhere was lost" in str(dead[2])
         signalled: list[tuple[int, list[int]]] = []
         provisioner.client = SimpleNamespace(
             ids=[10, 11, 12], send_signal=lambda signum, targets, block: signalled.append((signum, targets))
@@ -172,3 +178,18 @@ def test_a_local_world_adds_a_rank_process_through_its_provisioner(no_leaks: Non
         assert identity.slot == 2 and identity.pid in world.pids
         pids = world.all_pids
     assert wait_gone(pids) == []
+
+
+def test_a_death_says_its_cause_as_a_value_and_in_words() -> None:
+    assert death_of(7) == Death("exited", "exited with code 7", 7)
+    assert death_of(None) == Death("exited", "exited")
+    segv = death_of(-signal.SIGSEGV)
+    assert segv.cause == "signal" and segv.exit_code == -signal.SIGSEGV
+    assert str(segv).endswith("(a crash in native code)")
+    oom = death_of(-signal.SIGKILL, OomVerdict(True, "cgroup memory limit 1.5 GiB reached"))
+    assert oom.cause == "out_of_memory"
+    assert str(oom) == "was killed by the out-of-memory killer (cgroup memory limit 1.5 GiB reached)"
+    not_memory = death_of(-signal.SIGKILL, OomVerdict(False))
+    assert not_memory == Death("signal", "was killed by SIGKILL", -signal.SIGKILL)
+    assert death_of(-signal.SIGKILL).cause == "signal"  # unknown: a signal, with the hint in its words
+

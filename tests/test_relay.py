@@ -7,10 +7,11 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_notebook.outcome import Ending
-from ddp_notebook.relay import CellRelay, OutputSink
-from ddp_notebook.results import CellResult, MemoryReading
-from ddp_notebook.xray import RankCollectives
+from ddp_notebook.cell.outcome import Ending
+from ddp_notebook.cell.output import LineAssembler
+from ddp_notebook.cell.relay import CellRelay, OutputSink
+from ddp_notebook.cell.xray import RankCollectives
+from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 
 
 @dataclass
@@ -70,7 +71,7 @@ class _Remote:
 class FakeSupervisor:
     """Records what the relay asks; shutting a rank's connections makes it fail out of its collective."""
 
-    def __init__(self, ranks: Ranks, dead: dict[int, str] | None = None) -> None:
+    def __init__(self, ranks: Ranks, dead: dict[int, Death] | None = None) -> None:
         self.ranks = ranks
         self.dead = dead or {}
         self.calls: list[tuple[str, tuple[int, ...]]] = []
@@ -78,7 +79,7 @@ class FakeSupervisor:
     def interrupt(self, ranks: tuple[int, ...]) -> None:
         self.calls.append(("interrupt", ranks))
 
-    def find_dead(self, ranks: tuple[int, ...]) -> dict[int, str]:
+    def find_dead(self, ranks: tuple[int, ...]) -> dict[int, Death]:
         return dict(self.dead)
 
     def where_stuck(self, ranks: tuple[int, ...]) -> str:
@@ -112,7 +113,8 @@ class StuckElsewhere(FakeSupervisor):
 def _relay(size: int) -> tuple[CellRelay, FakeCell, Ranks]:
     relay = CellRelay(client=None, ranks=tuple(range(size)))
     cell = FakeCell(size)
-    relay._async_result = cell  # what attach() sets; its callbacks are ipyparallel's, not tested here
+    # what attach() sets; its callbacks are ipyparallel's, not tested here
+    relay._async_result, relay._futures = cell, list(cell._children)
     return relay, cell, Ranks(relay, cell)
 
 
@@ -132,10 +134,11 @@ def test_a_raise_at_4_ranks_releases_the_finished_rank_and_every_rank_still_runn
 
 def test_a_death_releases_the_survivors_at_once() -> None:
     relay, _, ranks = _relay(4)
-    supervisor = FakeSupervisor(ranks, dead={2: "was killed by SIGKILL"})
+    killed = Death("signal", "was killed by SIGKILL", -9)
+    supervisor = FakeSupervisor(ranks, dead={2: killed})
     ranks.cell._children[2].finished = True  # ipyparallel's engine error for the dead rank
     ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
-    assert ending is Ending.DONE and relay.dead == {2: "was killed by SIGKILL"}
+    assert ending is Ending.DONE and relay.dead == {2: killed}
     assert supervisor.calls[0] == ("release_blocked", (0, 1, 3))
 
 
@@ -181,3 +184,20 @@ def test_the_sink_flushes_only_the_streams_it_wrote_to() -> None:
     sink.live(0, "stderr", "50%")
     sink.flush()
     assert (out.flushes, err.flushes) == (1, 1)
+
+
+def test_a_group_is_broken_when_a_rank_says_so_and_ours_keys_stay_out_of_the_users_data() -> None:
+    relay, cell, ranks = _relay(3)
+    ranks.reply(0, error="ValueError: bad batch")
+    assert not relay.group_broken()  # failed, but its group is fine: no heal
+    cell._children[1].output.metadata["data"] = {GROUP_BROKEN_KEY: True}  # as the rank's hook publishes it
+    ranks.reply(1, error="RuntimeError: Connection closed by peer")
+    assert relay.group_broken()
+    sink = _sink()
+    seen: list[tuple[int, dict[str, Any]]] = []
+    sink.data = lambda rank, payload: seen.append((rank, payload))  # type: ignore[method-assign]
+    relay._queue.put(("data", 1, {GROUP_BROKEN_KEY: True, SNAPSHOT_OWED_KEY: True, "loss": 0.5}))
+    relay._queue.put(("data", 2, {GROUP_BROKEN_KEY: True}))
+    while not relay._queue.empty():
+        relay._handle(relay._queue.get(), sink, LineAssembler())
+    assert seen == [(1, {"loss": 0.5})]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ddp_notebook.report import format_values, table
-from ddp_notebook.results import CellResult
+from ddp_notebook.wire.results import CellResult
+from ddp_notebook.world.report import format_values, table
 
 
 def test_table_aligns_columns() -> None:

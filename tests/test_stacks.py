@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddp_notebook.stacks import describe_stuck_rank, main_thread_frames
+from ddp_notebook.wire.stacks import describe_stuck_rank, main_thread_frames
 
 DUMP = """Thread 0x00007f0000000002 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 324 in wait

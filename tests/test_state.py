@@ -15,8 +15,10 @@ from ddp_notebook import (
     WorldState,
 )
 from ddp_notebook.errors import RankFailure
-from ddp_notebook.outcome import breaks_process_group
-from ddp_notebook.state import IllegalTransition, WorldLifecycle
+from ddp_notebook.wire.results import Death
+from ddp_notebook.world.state import IllegalTransition, WorldLifecycle
+
+EXITED_3 = Death("exited", "exited with code 3", 3)
 
 
 def test_a_world_goes_through_its_life() -> None:
@@ -29,8 +31,9 @@ def test_a_world_goes_through_its_life() -> None:
     life.group_broke()  # a second failing cell before the heal changes nothing
     assert life.state is WorldState.NEEDS_HEALING
     life.healed()
-    life.ranks_died({1: "was killed by SIGKILL"})
-    assert life.state is WorldState.BROKEN and life.dead == {1: "was killed by SIGKILL"}
+    killed = Death("signal", "was killed by SIGKILL", -9)
+    life.ranks_died({1: killed})
+    assert life.state is WorldState.BROKEN and life.dead == {1: killed}
     life.stopped()
     assert life.state is WorldState.STOPPED and life.dead == {}
 
@@ -85,7 +88,7 @@ def test_each_ending_maps_to_one_error() -> None:
             CellTimeoutError,
             "stopped",
         ),
-        (CellOutcome(result=_result(), dead={1: "exited with code 3"}, failures=(earlier,)), RankDiedError, "failed"),
+        (CellOutcome(result=_result(), dead={1: EXITED_3}, failures=(earlier,)), RankDiedError, "failed"),
         (CellOutcome(result=_result(), failures=(failure, earlier), heal_note="\nhealed"), RankError, "failed"),
     ]
     for outcome, kind, view_state in cases:
@@ -96,12 +99,6 @@ def test_each_ending_maps_to_one_error() -> None:
     interrupted, timed_out, died, raised = (case[0].error() for case in cases)
     assert "still running: 1" in str(interrupted)
     assert "5 s limit" in str(timed_out) and "r0" in str(timed_out)
-    assert died.dead == {1: "exited with code 3"} and [f.rank for f in died.failures] == [0]  # type: ignore[union-attr]
+    assert died.dead == {1: EXITED_3} and [f.rank for f in died.failures] == [0]  # type: ignore[union-attr]
+    assert str(died).startswith("rank 1 exited with code 3. ")
     assert raised.root_cause.rank == 0 and raised.note == "healed"  # type: ignore[union-attr]  (first to fail)
-
-
-def test_which_failures_break_the_process_group() -> None:
-    assert breaks_process_group([RankFailure(0, "DistBackendError", "Connection closed by peer")])
-    assert breaks_process_group([RankFailure(0, "RuntimeError", "[gloo] Timed out waiting")])
-    assert not breaks_process_group([RankFailure(0, "ValueError", "bad batch")])
-    assert not breaks_process_group([])

@@ -10,8 +10,9 @@ import time
 import psutil
 import pytest
 
-from ddp_notebook import DDPCluster, RankDiedError, template
-from ddp_notebook.provisioning import LocalProvisioner
+from ddp_notebook import DDPCluster, RankDiedError
+from ddp_notebook.world import template
+from ddp_notebook.world.provisioning import LocalProvisioner
 from tests.conftest import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -96,7 +97,7 @@ def test_a_cold_world_starts_each_rank_as_a_new_interpreter(no_leaks: None) -> N
     with DDPCluster(1, backend="gloo", warm_start=False) as world:
         assert isinstance(world.provisioner, LocalProvisioner) and world.provisioner.template is None
         rank_pid = world.ranks[0].pid
-        assert psutil.Process(rank_pid).cmdline()[1:4] == ["-m", "ddp_notebook.entrypoints", "engine"]
+        assert psutil.Process(rank_pid).cmdline()[1:4] == ["-m", "ddp_notebook.rank.entrypoints", "engine"]
         pids = world.all_pids
     assert wait_gone(pids) == []
 

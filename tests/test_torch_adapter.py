@@ -1,10 +1,12 @@
-"""Each use of torch's private internals (ddp_notebook.torch_adapter), on the ranks of a real world.
+"""Each use of torch's private internals (ddp_notebook.rank.torch_adapter), on the ranks of a real world.
 
 torch is bounded in pyproject.toml to the versions these tests pass on. The heal, comeback and
 X-ray tests rely on the same functions (test_elastic, test_sharding, test_xray).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,7 @@ def test_the_flight_recorder_reads_as_data(world: DDPCluster) -> None:
     # the recorder retires a gloo collective from its own thread, a moment after the call returned
     world.execute(
         "import time\n"
-        "from ddp_notebook import torch_adapter\n"
+        "from ddp_notebook.rank import torch_adapter\n"
         "dist.all_reduce(torch.ones(3, 2))\n"
         "deadline = time.monotonic() + 10\n"
         "while True:\n"
@@ -38,7 +40,7 @@ def test_a_ddp_model_follows_the_group_it_is_moved_to(world: DDPCluster) -> None
     # on a group of its own a rank keeps its own gradient; back on the world's, DDP averages again
     world.execute(
         "import datetime\n"
-        "from ddp_notebook import torch_adapter\n"
+        "from ddp_notebook.rank import torch_adapter\n"
         "torch.manual_seed(0)\n"
         "moved = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1, bias=False))\n"
         "def grad():\n"
@@ -58,7 +60,7 @@ def test_a_ddp_model_follows_the_group_it_is_moved_to(world: DDPCluster) -> None
 
 def test_a_ddp_model_unhooked_lets_a_new_reducer_take_over(world: DDPCluster) -> None:
     world.execute(
-        "from ddp_notebook import torch_adapter\n"
+        "from ddp_notebook.rank import torch_adapter\n"
         "torch.manual_seed(0)\n"
         "old = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1, bias=False))\n"
         "old(torch.ones(1, 2)).sum().backward()\n"
@@ -75,7 +77,7 @@ def test_fsdp2_state_is_read_and_shared(world: DDPCluster) -> None:
     world.execute(
         "from torch.distributed import _composable_state\n"
         "from torch.distributed.fsdp import fully_shard\n"
-        "from ddp_notebook import torch_adapter\n"
+        "from ddp_notebook.rank import torch_adapter\n"
         "torch.manual_seed(0)\n"
         "sharded = fully_shard(torch.nn.Linear(4, 4))\n"
         "root_before = torch_adapter.fsdp_is_root(sharded)\n"
@@ -96,3 +98,76 @@ def test_fsdp2_state_is_read_and_shared(world: DDPCluster) -> None:
         "shared": True,
     }.items():
         assert world.pull(name) == {0: expected, 1: expected}, name
+
+
+# two gloo ranks forked in one subprocess: each case breaks the group as a world's ranks see it
+# happen, and rank 0 judges the real exception it got
+BROKEN_GROUPS = """
+import datetime, json, os, socket, sys, time
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_notebook.rank import torch_adapter
+
+def run(rank, port, case, answers):
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+    if rank == 1:
+        if case == "peer died":
+            time.sleep(0.3)
+            os._exit(3)
+        if case == "peer never came":
+            time.sleep(5)
+            os._exit(0)
+    try:
+        if case == "group released":
+            dist.barrier()
+            dist.destroy_process_group()
+        elif case == "the user's own error":
+            raise ValueError("bad batch")
+        dist.all_reduce(torch.ones(1))
+        answer = (case, None, None)
+    except Exception as error:
+        answer = (case, type(error).__name__, torch_adapter.breaks_group(error))
+    if rank == 0:  # the judge; rank 1 is the peer that breaks the group
+        answers.put(answer)
+    os._exit(0)
+
+if __name__ == "__main__":
+    answers = mp.get_context("fork").SimpleQueue()
+    for case in ("peer died", "peer never came", "group released", "the user's own error"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        context = mp.start_processes(run, args=(port, case, answers), nprocs=2, join=False, start_method="fork")
+        print(json.dumps(answers.get()), flush=True)
+        for process in context.processes:
+            process.join(10)
+"""
+
+
+def test_a_broken_group_is_told_by_the_exception_torch_raises(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "broken_groups.py"
+    script.write_text(BROKEN_GROUPS)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = {case: (kind, broken) for case, kind, broken in map(json.loads, run.stdout.splitlines())}
+    assert seen == {
+        "peer died": ("RuntimeError", True),  # gloo: "Connection closed by peer"
+        "peer never came": ("RuntimeError", True),  # gloo: "Timed out waiting ... for recv"
+        "group released": ("ValueError", True),  # "Default process group has not been initialized"
+        "the user's own error": ("ValueError", False),
+    }
+
+
+def test_torchs_own_distributed_errors_break_the_group_by_type() -> None:
+    import torch.distributed as dist
+
+    from ddp_notebook.rank.torch_adapter import breaks_group
+
+    assert breaks_group(dist.DistBackendError("NCCL communicator was aborted"))
+    assert breaks_group(dist.DistNetworkError("anything at all"))  # the type decides, not the words
+    assert not breaks_group(KeyError("nccl"))  # neither a RuntimeError nor torch's: the user's

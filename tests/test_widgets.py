@@ -11,8 +11,8 @@ import comm
 import pytest
 from comm.base_comm import BaseComm
 
-from ddp_notebook.channel import Channel, Feed, Progress
-from ddp_notebook.widgets import (
+from ddp_notebook.live.feed import Feed
+from ddp_notebook.live.widgets import (
     LiveView,
     Smoother,
     TextView,
@@ -25,6 +25,7 @@ from ddp_notebook.widgets import (
     summary_lines,
     xray_table,
 )
+from ddp_notebook.rank.channel import Channel, Progress
 from tests.test_channel import StepsSoFar, waiting_in
 
 

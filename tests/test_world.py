@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from ddp_notebook import CellTimeoutError, DDPCluster, DDPUsageError, NotRunningError, RankError
-from ddp_notebook.syntax import CellSyntaxError
+from ddp_notebook.cell.syntax import CellSyntaxError
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook import DDPCluster, RankError, xray_wire
-from ddp_notebook.results import RankInfo
-from ddp_notebook.stragglers import StepTimes, find_straggler
-from ddp_notebook.timing import StepClock
-from ddp_notebook.xray import (
+from ddp_notebook import DDPCluster, RankError
+from ddp_notebook.cell.xray import (
     Collective,
     CollectiveMismatchError,
     MismatchWatch,
@@ -23,6 +20,10 @@ from ddp_notebook.xray import (
     Reach,
     find_mismatch,
 )
+from ddp_notebook.live.stragglers import StepTimes, find_straggler
+from ddp_notebook.rank.timing import StepClock
+from ddp_notebook.wire import xray as xray_wire
+from ddp_notebook.wire.results import RankInfo
 from tests.conftest import shared_world
 
 # ---------------------------------------------------------------- the wire to other hosts (pure logic)

@@ -1,0 +1,571 @@
+"""One cell in flight: its messages, carried from ipyparallel's IO thread to the waiting thread.
+
+`CellRelay` registers on ipyparallel's message futures, turns stdout/stderr chunks into whole
+`[rank N]` lines (via `OutputSink`), relays display and data messages, and decides when the
+cell is over: all ranks replied, a timeout or interrupt ran out its grace, or a rank died.
+It also notices when finished ranks must let go of the process group to release peers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
+
+from ..errors import RankFailure, one_line
+from ..platform.processes import DEATH_CHECK_SECONDS
+from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
+from ..world.ipp_adapter import message_futures, on_io_thread, unwrap_exception
+from .outcome import Ending
+from .output import LineAssembler, rank_prefix, tag_lines
+from .xray import Mismatch, MismatchWatch, RankCollectives
+
+# after an interrupt or timeout, how long the ranks get to stop before we give up waiting
+INTERRUPT_GRACE_SECONDS = 5.0
+# after every rank replied, how long to wait for the tail of its output
+OUTPUT_DRAIN_SECONDS = 2.0
+# how often a running cell reads its ranks' memory against their limit (a few small files)
+MEMORY_CHECK_SECONDS = 1.0
+# after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
+DEATH_GRACE_SECONDS = 3.0
+# after a rank failed (or the ranks were interrupted), how long the others may keep running
+# before the finished ranks let go of the process group and the running ones shut their side
+RELEASE_AFTER_SECONDS = 0.5
+# once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
+COLLECTIVES_CHECK_SECONDS = 0.25
+# after ranks in mismatched collectives were released, how long they get to fail and reply (they
+# fail at once; the margin is for a loaded machine, and the wait ends when they have replied)
+MISMATCH_GRACE_SECONDS = 10.0
+# how often an unfinished text progress line (plain tqdm) is drawn again while a cell runs
+PROGRESS_DRAW_SECONDS = 0.5
+
+# the keys of what our own rank code publishes (not the user's data)
+_OWN_KEYS = (SNAPSHOT_OWED_KEY, GROUP_BROKEN_KEY)
+
+
+class CellSupervisor(Protocol):
+    """What the relay asks of the world while it waits for a cell."""
+
+    def interrupt(self, ranks: tuple[int, ...]) -> None:
+        """Send SIGINT to `ranks`."""
+
+    def find_dead(self, ranks: tuple[int, ...]) -> dict[int, Death]:
+        """Ranks among `ranks` whose process is gone, with how each one ended."""
+
+    def where_stuck(self, ranks: tuple[int, ...]) -> str:
+        """One line per rank saying where it is."""
+
+    def release(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks` let go of the process group, so peers blocked in it with them fail."""
+
+    def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
+        """The memory of `ranks` against their limit; with a warning when it crossed the warning level."""
+
+    def collectives(self, ranks: tuple[int, ...]) -> dict[int, RankCollectives]:
+        """What `ranks` say about the collectives they ran and wait in."""
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        """Make `ranks` fail out of the collective they are blocked in."""
+
+    def debug(self, rank: int) -> None:
+        """Drive `rank`'s waiting pdb session until the user continues or quits."""
+
+
+@dataclass
+class _WaitClock:
+    """The deadlines of one wait for a cell (monotonic seconds)."""
+
+    began: float
+    timeout: float | None
+    ending: Ending = Ending.DONE
+    replied_at: float | None = None
+    stop_at: float | None = None  # set once we interrupted the ranks or one died
+    release_at: float | None = None  # set once some ranks finished badly while others run
+    next_death_check: float = 0.0
+    next_memory_check: float = 0.0
+    next_collectives_check: float = 0.0
+    next_progress_draw: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.next_death_check = self.began + DEATH_CHECK_SECONDS
+        self.next_memory_check = self.began + MEMORY_CHECK_SECONDS
+        self.next_collectives_check = self.began + COLLECTIVES_CHECK_SECONDS
+
+
+class OutputSink:
+    """Where a cell's output goes: tagged lines to stdout/stderr, or into the result."""
+
+    def __init__(
+        self,
+        stdout: TextIO | None,
+        stderr: TextIO | None,
+        collect: CellResult | None,
+        on_data: Callable[[int, dict[str, Any]], None] | None = None,
+        on_memory: Callable[[MemoryReading], None] | None = None,
+        on_collectives: Callable[[dict[int, RankCollectives]], None] | None = None,
+    ) -> None:
+        self._stdout = stdout
+        self._stderr = stderr
+        self._collect = collect
+        self._on_data = on_data
+        self._on_memory = on_memory
+        self._on_collectives = on_collectives
+        self._live: dict[str, str] = {}  # stream -> the progress line drawn last, not yet ended
+        # streams written since the last flush: a kernel's flush waits on its IO thread (~0.2 ms),
+        # so a cell with no output flushes nothing
+        self._unflushed: set[str] = set()
+
+    def _target(self, stream: str) -> TextIO:
+        # looked up at write time: IPython swaps sys.stdout per cell
+        return (self._stderr or sys.stderr) if stream == "stderr" else (self._stdout or sys.stdout)
+
+    def memory(self, reading: MemoryReading) -> None:
+        """A memory reading: to the live view; its warning, if any, to stderr at once (even
+        when output is collected: it is about the machine, not the cell's output)."""
+        if reading.warning:
+            target = self._stderr or sys.stderr
+            target.write(reading.warning + "\n")
+            try:
+                target.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._on_memory is not None:
+            self._on_memory(reading)
+
+    def collectives(self, readings: dict[int, RankCollectives]) -> None:
+        """The ranks' collective X-ray, read for the mismatch check: to the live view too."""
+        if self._on_collectives is not None:
+            self._on_collectives(readings)
+
+    def data(self, rank: int, payload: dict[str, Any]) -> None:
+        if self._on_data is not None:
+            self._on_data(rank, payload)
+
+    def write(self, rank: int, stream: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        if self._collect is not None:
+            store = self._collect.stderr if stream == "stderr" else self._collect.stdout
+            store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
+            return
+        text = tag_lines(rank, lines)
+        drawn = self._live.pop(stream, None)
+        if drawn is not None:  # these lines take the progress line's place ('\r'); it is drawn again below them
+            first, newline, rest = text.partition("\n")
+            text = "\r" + first.ljust(len(drawn)) + newline + rest
+        self._target(stream).write(text)
+        self._unflushed.add(stream)
+
+    def live(self, rank: int, stream: str, drawing: str) -> None:
+        """Show the current drawing of a rank's unfinished progress line, in place of the previous one.
+
+        Written after '\\r' with no newline: the notebook (and a terminal) draw it over the last
+        one, so a text progress bar moves while the cell runs instead of appearing only when done.
+        """
+        if self._collect is not None:
+            return
+        line = f"{rank_prefix(rank)}{drawing}"
+        drawn = self._live.get(stream)
+        if line == drawn:
+            return
+        self._target(stream).write("\r" + line.ljust(len(drawn or "")))
+        self._live[stream] = line
+        self._unflushed.add(stream)
+
+    def flush(self) -> None:
+        for stream in sorted(self._unflushed):
+            try:
+                self._target(stream).flush()
+            except Exception:  # noqa: BLE001
+                pass
+        self._unflushed.clear()
+
+
+class CellRelay:
+    """Carries one cell's messages from ipyparallel's IO thread to the waiting thread.
+
+    Registration happens on the IO thread itself, so each message is seen exactly once:
+    either it was already folded into ipyparallel's metadata (caught up at registration)
+    or it reaches our callback afterwards.
+    """
+
+    def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
+        self._client = client
+        self._ranks = ranks
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._async_result: Any = None
+        self._futures: list[Any] = []  # the cell's message future on each rank, in `ranks` order
+        self._idle: set[int] = set()
+        self.dead: dict[int, Death] = {}
+        self.stuck_report = ""  # where the ranks were when the time limit struck
+        self.released = False  # whether finished ranks let go of the process group
+        self.mismatch: Mismatch | None = None  # ranks found in collectives that can never match
+        self._mismatch_watch = MismatchWatch()
+        self._displays = RankDisplays()
+
+    def attach(self, async_result: Any) -> None:
+        """Start relaying `async_result`'s messages; call right after sending the cell.
+
+        The request itself was handed to the IO thread as a callback; this one is queued
+        behind it, so it runs before the thread reads any reply to the request. No need
+        to wait for it here: whatever arrives earlier is caught up from the metadata.
+        """
+        self._async_result = async_result
+        self._futures = list(message_futures(async_result))  # asked once: every later question reads these
+
+        def register() -> None:
+            for rank, future in zip(self._ranks, self._futures):
+                self._catch_up(rank, future)
+                future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
+                # the output future resolves on the rank's 'idle' status, after all its output;
+                # ipyparallel may drop the message future before that status reaches callbacks
+                future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
+
+        on_io_thread(self._client, register)
+        async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
+
+    def _catch_up(self, rank: int, future: Any) -> None:
+        metadata = future.output.metadata
+        for stream in ("stdout", "stderr"):
+            if metadata[stream]:
+                self._queue.put(("stream", rank, stream, metadata[stream]))
+        for output in metadata["outputs"]:
+            self._queue.put(("display", rank, output, False))
+        if metadata.get("data"):
+            # published before we listened (ipyparallel keeps only the merge of such messages;
+            # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
+            self._queue.put(("data", rank, dict(metadata["data"])))
+
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        kind = msg["header"]["msg_type"]
+        content = msg["content"]
+        if kind == "stream":
+            self._queue.put(("stream", rank, content["name"], content["text"]))
+        elif kind in ("display_data", "update_display_data"):
+            self._queue.put(("display", rank, content, kind == "update_display_data"))
+        elif kind == "clear_output":
+            self._queue.put(("clear", rank))
+        elif kind == "data_message":
+            # what a rank published with ipyparallel's publish_data: plain data, signed message
+            from ipyparallel.serialize import deserialize_object
+
+            payload, _ = deserialize_object(msg["buffers"])
+            self._queue.put(("data", rank, payload))
+
+    def wait(self, sink: OutputSink, timeout: float | None, supervisor: CellSupervisor) -> Ending:
+        """Relay output until every rank is done; say why the wait ended.
+
+        Rank processes found dead are recorded in `self.dead`; the others then get a short
+        grace period, in which peers blocked in a collective with the dead rank fail.
+        When some ranks finished (a rank raised, or the interrupt reached them) while others
+        still run, they may be blocked in a collective waiting for the finished ones, which
+        SIGINT cannot break: after a second, the finished ranks let go of the process group
+        (`supervisor.release`), so the blocked ones fail within a second too.
+        """
+        clock = _WaitClock(time.monotonic(), timeout)
+        assembler = LineAssembler()
+        while True:
+            try:
+                if self._step(clock, supervisor):
+                    break
+                self._watch_memory(clock, supervisor, sink)
+                self._watch_collectives(clock, supervisor, sink)
+                self._draw_progress_lines(clock, sink, assembler)
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._handle_all(item, sink, assembler, clock)
+            except KeyboardInterrupt:
+                if clock.ending is Ending.INTERRUPTED and clock.stop_at is not None:
+                    break  # a second interrupt: stop waiting now
+                clock.ending = Ending.INTERRUPTED
+                self._stop_ranks(clock, supervisor, time.monotonic())
+        for rank, stream, line in assembler.flush_all():
+            sink.write(rank, stream, [line])
+        sink.flush()
+        if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead and not self._some_failed():
+            clock.ending = Ending.INTERRUPTED
+        if not self.dead and self.failures():
+            # a rank lost on another host can reply (with ipyparallel's engine error) between two
+            # death checks: one more, so it is named dead rather than healed around
+            self.dead = supervisor.find_dead(self._ranks)
+        return clock.ending
+
+    def _step(self, clock: _WaitClock, supervisor: CellSupervisor) -> bool:
+        """One turn of the wait's checks; True when the wait is over."""
+        now = time.monotonic()
+        if not self.released:
+            self._maybe_release(clock, supervisor, now)
+        if clock.replied_at is not None and (
+            self._idle >= set(self._ranks) or now - clock.replied_at > OUTPUT_DRAIN_SECONDS
+        ):
+            return True
+        if clock.stop_at is not None and now > clock.stop_at:
+            return True
+        if self.dead and self._survivors_done():
+            return True
+        if clock.timeout is not None and clock.stop_at is None and now - clock.began > clock.timeout:
+            clock.ending = Ending.TIMEOUT
+            self.stuck_report = supervisor.where_stuck(self.unfinished())  # before the interrupt moves them
+            self._stop_ranks(clock, supervisor, now)
+        if now > clock.next_death_check and not self.dead:
+            clock.next_death_check = now + DEATH_CHECK_SECONDS
+            self.dead = supervisor.find_dead(self._ranks)
+            if self.dead:
+                # only the dead rank's neighbours see its sockets close: the survivors still in a
+                # collective shut theirs, so none waits for the collective timeout
+                survivors = tuple(rank for rank in self.unfinished() if rank not in self.dead)
+                if survivors:
+                    supervisor.release_blocked(survivors)
+                if clock.stop_at is None:
+                    clock.stop_at = now + DEATH_GRACE_SECONDS
+        return False
+
+    def _draw_progress_lines(self, clock: _WaitClock, sink: OutputSink, assembler: LineAssembler) -> None:
+        """A few times a second, the lowest rank's unfinished progress line on each stream, drawn in place.
+
+        One rank's bar (rank 0's where it has one), not one per rank: several bars cannot share
+        the one line a stream can redraw. The others show their last drawing when they end.
+        """
+        now = time.monotonic()
+        if now < clock.next_progress_draw:
+            return
+        clock.next_progress_draw = now + PROGRESS_DRAW_SECONDS
+        for stream in ("stdout", "stderr"):
+            for rank in sorted(self._ranks):
+                drawing = assembler.drawing(rank, stream)
+                if drawing is not None:
+                    sink.live(rank, stream, drawing)
+                    sink.flush()
+                    break
+
+    def _watch_memory(self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink) -> None:
+        now = time.monotonic()
+        if now < clock.next_memory_check or self.dead:
+            return
+        clock.next_memory_check = now + MEMORY_CHECK_SECONDS
+        try:
+            reading = supervisor.check_memory(self._ranks)
+        except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
+            return
+        if reading is not None:
+            sink.memory(reading)
+
+    def _watch_collectives(self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink) -> None:
+        """Catch ranks blocked in collectives that can never match, and release them; the
+        readings go to the live view as well (where each rank waits, once one waited a while)."""
+        now = time.monotonic()
+        if now < clock.next_collectives_check or self.mismatch or self.dead or clock.stop_at is not None:
+            return
+        clock.next_collectives_check = now + COLLECTIVES_CHECK_SECONDS
+        running = self.unfinished()
+        if not running:
+            return
+        try:
+            readings = supervisor.collectives(self._ranks)
+        except Exception:  # noqa: BLE001  (a reading that fails must not end the cell)
+            return
+        sink.collectives(readings)
+        stopped = [rank for rank, reading in readings.items() if reading.debugger and rank in running]
+        if stopped:
+            supervisor.debug(stopped[0])  # asks the user for each line; the other ranks wait
+            clock.next_collectives_check = time.monotonic()
+            return
+        if self._some_failed():
+            return  # a failed rank is released by _maybe_release
+        self.mismatch = self._mismatch_watch.check(readings, self._finished(), now)
+        if self.mismatch is not None:
+            # every rank shuts its side: a blocked rank sees its own shutdown late, its peer's at once
+            supervisor.release_blocked(self._ranks)
+            clock.stop_at = time.monotonic() + MISMATCH_GRACE_SECONDS
+
+    def _maybe_release(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
+        if clock.release_at is None and self._some_failed():
+            clock.release_at = now + RELEASE_AFTER_SECONDS
+        if clock.release_at is not None and now > clock.release_at:
+            finished, running = self._finished(), self.unfinished()
+            if running:
+                # With more than 2 ranks gloo pairs ranks that never talk to the finished ones: a
+                # rank blocked on a blocked peer is freed only by shutting its own connections.
+                self.released = True
+                if finished:
+                    supervisor.release(finished)
+                supervisor.release_blocked(running)
+                clock.stop_at = max(clock.stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
+
+    def _stop_ranks(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
+        supervisor.interrupt(self._ranks)
+        clock.stop_at = now + INTERRUPT_GRACE_SECONDS
+        clock.release_at = now + RELEASE_AFTER_SECONDS
+
+    def _handle_all(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler, clock: _WaitClock) -> None:
+        # drain whatever else is queued before writing, so output goes out in batches
+        while True:
+            replied = self._handle(item, sink, assembler)
+            if replied:
+                clock.replied_at = time.monotonic()
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+        sink.flush()
+
+    def _handle(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler) -> bool:
+        """Deal with one queued message; True when it says every rank replied."""
+        kind = item[0]
+        if kind == "stream":
+            _, rank, stream, text = item
+            sink.write(rank, stream, assembler.feed(rank, stream, text))
+        elif kind == "display":
+            _, rank, content, update = item
+            self._displays.show(rank, content, update)
+        elif kind == "clear":
+            self._displays.clear(item[1])
+        elif kind == "data":
+            _, rank, payload = item
+            if SNAPSHOT_OWED_KEY in payload or GROUP_BROKEN_KEY in payload:  # ours, read after the cell
+                payload = {key: value for key, value in payload.items() if key not in _OWN_KEYS}
+            if payload:
+                sink.data(rank, payload)
+        elif kind == "idle":
+            self._idle.add(item[1])
+        return kind == "replied"
+
+    def _survivors_done(self) -> bool:
+        children = zip(self._ranks, self._futures)
+        return all(future.done() and rank in self._idle for rank, future in children if rank not in self.dead)
+
+    def _finished(self) -> tuple[int, ...]:
+        children = zip(self._ranks, self._futures)
+        return tuple(rank for rank, future in children if future.done() and rank not in self.dead)
+
+    def _some_failed(self) -> bool:
+        for future in self._futures:
+            if future.done() and future.output.metadata.get("status") == "error":
+                return True
+        return False
+
+    def unfinished(self) -> tuple[int, ...]:
+        return tuple(rank for rank, future in zip(self._ranks, self._futures) if not future.done())
+
+    def snapshot_owed(self) -> bool:
+        """Whether every rank of the cell asked for a collective end-of-cell snapshot (it tracks a
+        sharded model and its cell succeeded). Read from ipyparallel's merge of the published data:
+        no message of its own."""
+        futures = self._futures
+        return bool(futures) and all(
+            future.done() and (future.output.metadata.get("data") or {}).get(SNAPSHOT_OWED_KEY) for future in futures
+        )
+
+    def group_broken(self) -> bool:
+        """Whether a rank's failure broke its process group, as the rank judged it (by the
+        exception's type) and published; read like `snapshot_owed`."""
+        return any(
+            future.done() and (future.output.metadata.get("data") or {}).get(GROUP_BROKEN_KEY)
+            for future in self._futures
+        )
+
+    def values(self) -> dict[int, dict[str, Any]]:
+        values = {}
+        for rank, future in zip(self._ranks, self._futures):
+            executed = future.output.metadata.get("execute_result")
+            if executed:
+                values[rank] = executed.get("data", {})
+        return values
+
+    def failures(self) -> list[RankFailure]:
+        found = []
+        for rank, future in zip(self._ranks, self._futures):
+            if not future.done():
+                continue
+            metadata = future.output.metadata
+            error = metadata.get("error")
+            if error is None:
+                try:
+                    reply = future.result()
+                except Exception as failure:  # noqa: BLE001  (e.g. the rank's process died)
+                    found.append(RankFailure(rank, type(failure).__name__, one_line(failure)))
+                    continue
+                content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
+                if not content or content.get("status") != "error":
+                    continue
+                error = unwrap_exception(self._client, content)
+            completed = metadata.get("completed")
+            found.append(
+                RankFailure(
+                    rank=rank,
+                    ename=getattr(error, "ename", type(error).__name__),
+                    evalue=getattr(error, "evalue", str(error)),
+                    traceback=tuple(_traceback_lines(error)),
+                    completed=_epoch_seconds(completed),
+                )
+            )
+        return found
+
+
+def _traceback_lines(error: Any) -> list[str]:
+    rendered = getattr(error, "render_traceback", None)
+    if rendered is not None:
+        try:
+            return list(rendered())
+        except Exception:  # noqa: BLE001
+            pass
+    return [str(error)]
+
+
+def _epoch_seconds(stamp: Any) -> float | None:
+    """ipyparallel's timestamps arrive as datetimes or ISO strings."""
+    if stamp is None:
+        return None
+    if isinstance(stamp, str):
+        try:
+            stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return stamp.timestamp() if isinstance(stamp, datetime.datetime) else None
+
+
+class RankDisplays:
+    """A cell's rich output from the ranks, shown in the notebook's cell.
+
+    A rank's `clear_output` must not wipe the cell, which holds every rank's output: instead
+    the display that follows it replaces that rank's previous one. This is how a live display
+    redraws itself (rich's progress bars, as Lightning draws them, or `clear_output(wait=True)`
+    then `display(...)` in a loop): one display per rank that updates in place, not a new one
+    per redraw. A display a rank updates by its id (`display(..., display_id=True).update()`)
+    keeps that id here.
+    """
+
+    def __init__(self) -> None:
+        self._cleared: set[int] = set()
+        self._live: dict[int, str] = {}  # rank -> the display id its redraws update
+
+    def clear(self, rank: int) -> None:
+        self._cleared.add(rank)
+
+    def show(self, rank: int, content: dict[str, Any], update: bool = False) -> None:
+        transient = content.get("transient") or None
+        if not update and rank in self._cleared:
+            self._cleared.discard(rank)
+            if rank in self._live:
+                update = True
+            else:
+                self._live[rank] = f"ddp-rank{rank}-{uuid.uuid4().hex}"
+            transient = {"display_id": self._live[rank]}
+        _publish(content, transient, update)
+
+
+def _publish(content: dict[str, Any], transient: dict[str, Any] | None, update: bool) -> None:
+    try:
+        from IPython.display import publish_display_data
+    except ImportError:
+        return
+    publish_display_data(
+        data=content.get("data", {}), metadata=content.get("metadata", {}), transient=transient, update=update
+    )

@@ -1,0 +1,340 @@
+"""Collective X-ray, notebook side: what each rank ran and waits in, and mismatches named in seconds.
+
+Each rank answers from a thread of its own (`xray_rank`), so it answers while it is blocked in
+a collective: a rank on this host on a Unix socket in the world's private directory, a rank on
+another host over TCP, each line signed with the world's key (`xray_wire`). From the answers:
+per rank the last collectives (op, sequence number, shapes) from torch's flight recorder, the
+one it waits in, for how long, and its cell line.
+
+`MismatchWatch` turns repeated readings into a verdict: ranks blocked in collectives that
+cannot match (different sequence numbers, ops or shapes), or ranks blocked in a collective
+that a rank which already finished the cell never ran. A verdict needs the same picture in
+two readings at least `CONFIRM_SECONDS` apart, so a healthy world, where the picture changes
+every step, never gives one. Imports nothing of torch.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RankError, RankFailure
+from ..live.stragglers import StepTimes, find_straggler
+from ..wire import xray as xray_wire
+from ..wire import xray_messages as messages
+from ..wire.results import RankInfo
+
+# how long one rank may take to answer (it answers from a thread of its own, in microseconds)
+ANSWER_SECONDS = 1.0
+# a mismatch is confirmed by a second reading this much later showing the same picture
+CONFIRM_SECONDS = 1.0
+# ranks on other hosts asked side by side in one reading
+REMOTE_ASKS_AT_ONCE = 16
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issued on the default group, as torch's flight recorder saw it."""
+
+    seq: int
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    done: bool
+    created_ns: int
+
+    def describe(self) -> str:
+        shapes = ", ".join("[" + ", ".join(map(str, shape)) + "]" for shape in self.shapes)
+        return f"{self.op} #{self.seq} {shapes}".rstrip()
+
+    def signature(self) -> tuple[int, str, tuple[tuple[int, ...], ...]]:
+        return (self.seq, self.op, self.shapes)
+
+
+@dataclass(frozen=True)
+class RankCollectives:
+    """What one rank said about its collectives at one moment."""
+
+    rank: int
+    history: tuple[Collective, ...]  # oldest first; the last few finished ones, then the running ones
+    cell_line: int | None  # the line of the cell its main thread is on
+    in_cell: bool
+    now_ns: int  # the rank's clock when it answered
+    steps: StepTimes | None = None  # its recent training steps, phase by phase (`timing`)
+    memory: Mapping[str, int] = field(default_factory=dict)  # rss, and cuda_* where it uses a GPU
+    debugger: bool = False  # a pdb session on it waits for the user
+    last_done: int = 0  # the sequence number of its last finished collective (also when history is empty)
+
+    @property
+    def current(self) -> Collective | None:
+        """The collective the rank waits in (the oldest one not finished), or None."""
+        return next((c for c in self.history if not c.done), None)
+
+    @property
+    def last_seq(self) -> int:
+        return max([c.seq for c in self.history] + [self.last_done])
+
+    @property
+    def waited(self) -> float:
+        current = self.current
+        return 0.0 if current is None else max(0.0, (self.now_ns - current.created_ns) / 1e9)
+
+    def describe(self) -> str:
+        """One line: where the rank is, then its last finished collectives."""
+        current = self.current
+        line = f" (cell line {self.cell_line})" if self.cell_line is not None else ""
+        if current is not None:
+            head = f"in {current.describe()}{line}, waiting {self.waited:.1f} s"
+        elif self.in_cell:
+            head = f"running the cell{line}, in no collective"
+        else:
+            head = "idle"
+        finished = [c for c in self.history if c.done][-3:]
+        if finished:
+            head += "; last: " + ", ".join(c.describe() for c in finished)
+        return head
+
+
+def parse_report(rank: int, answer: messages.ReportAnswer) -> RankCollectives:
+    history = tuple(
+        Collective(
+            seq=int(entry["seq"]),
+            op=str(entry["op"]),
+            shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("shapes", ())),
+            dtypes=tuple(str(d) for d in entry.get("dtypes", ())),
+            done=bool(entry.get("retired")),
+            created_ns=int(entry.get("created_ns", 0)),
+        )
+        for entry in answer.get("entries", ())
+    )
+    line = answer.get("cell_line")
+    return RankCollectives(
+        rank=rank,
+        history=history,
+        cell_line=int(line) if line is not None else None,
+        in_cell=bool(answer.get("in_cell")),
+        now_ns=int(answer.get("now_ns", 0)),
+        steps=StepTimes.parse(answer.get("steps")),
+        memory={str(k): int(v) for k, v in (answer.get("memory") or {}).items()},
+        debugger=bool(answer.get("debugger")),
+        last_done=int(answer.get("last_done") or 0),
+    )
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How the notebook reaches each rank's X-ray: a rank here by its Unix socket in `directory`,
+    a rank on another host at its TCP address in `remote`, signed with the world's `key`."""
+
+    directory: str
+    remote: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    key: bytes = b""
+
+    @classmethod
+    def of(cls, directory: str, infos: Iterable[RankInfo]) -> Reach:
+        here = socket.gethostname()
+        remote = {i.rank: i.xray_address for i in infos if i.host != here and i.xray_address is not None}
+        return cls(directory, remote, xray_wire.world_key(directory) if remote else b"")
+
+
+def ask(reach: Reach, rank: int, request: messages.Request, timeout: float = ANSWER_SECONDS) -> Any:
+    """One request to one rank: its answer (the `messages` type the request asks for), or None when
+    it does not answer in time, answers with an error, or its answer is not signed right or is
+    of another version of the format."""
+    address = reach.remote.get(rank)
+    try:
+        if address is None:
+            answer = _ask_here(xray_wire.socket_path(reach.directory, rank), dict(request), timeout)
+        else:
+            answer = _ask_elsewhere(address, reach.key, dict(request), timeout)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(answer, dict) or "error" in answer or messages.version_problem(answer) is not None:
+        return None
+    return answer
+
+
+def _ask_here(path: Any, request: dict[str, Any], timeout: float) -> Any:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(timeout)
+        connection.connect(str(path))
+        connection.sendall(xray_wire.line(request))
+        return json.loads(connection.makefile("r", encoding="utf8").readline())
+
+
+def _ask_elsewhere(address: tuple[str, int], key: bytes, request: dict[str, Any], timeout: float) -> Any:
+    with socket.create_connection(address, timeout=min(timeout, ANSWER_SECONDS)) as connection:
+        connection.settimeout(timeout)
+        reader = connection.makefile("r", encoding="utf8")
+        challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
+        connection.sendall(xray_wire.line(xray_wire.signed(key, challenge, xray_wire.ASK, request)))
+        return xray_wire.verified(key, challenge, xray_wire.ANSWER, json.loads(reader.readline()))
+
+
+def read_ranks(reach: Reach, ranks: Iterable[int], full: bool = True) -> dict[int, RankCollectives]:
+    """The X-ray of `ranks` (those that answered). `full=False`: a light reading, with a running
+    collective only once it has run a moment (what a running cell's watch asks)."""
+    ranks = list(ranks)
+    elsewhere = [rank for rank in ranks if rank in reach.remote]
+    if len(elsewhere) > 1:
+        # each answer from another host takes a network round trip, a lost host a connect timeout:
+        # ask them side by side, so a reading takes one of those, not one per rank
+        with ThreadPoolExecutor(max_workers=min(len(elsewhere), REMOTE_ASKS_AT_ONCE)) as pool:
+            answers = dict(zip(elsewhere, pool.map(lambda r: ask(reach, r, messages.report_request(full)), elsewhere)))
+    else:
+        answers = {}
+    found = {}
+    for rank in ranks:
+        answer = answers[rank] if rank in answers else ask(reach, rank, messages.report_request(full))
+        if answer is not None:
+            found[rank] = parse_report(rank, answer)
+    return found
+
+
+def main_thread_frames(reach: Reach, rank: int) -> list[tuple[str, int, str]]:
+    """(file, line, function) of `rank`'s main thread, innermost first, as its X-ray thread reads them."""
+    answer: messages.StackAnswer | None = ask(reach, rank, messages.stack_request())
+    if answer is None:
+        return []
+    return [(str(f), int(n), str(name)) for f, n, name in answer.get("frames", ())]
+
+
+def release(reach: Reach, ranks: Iterable[int]) -> dict[int, int]:
+    """Make `ranks` shut their process group's connections; {rank: connections shut} of those that answered."""
+    done = {}
+    for rank in ranks:
+        answer: messages.ReleaseAnswer | None = ask(reach, rank, messages.release_request())
+        if answer is not None:
+            done[rank] = int(answer.get("released", 0))
+    return done
+
+
+def describe_world(readings: Mapping[int, RankCollectives]) -> str:
+    """Per rank: its collectives, its recent steps and its allocator's memory; then the straggler, if any."""
+    lines = []
+    for rank in sorted(readings):
+        reading = readings[rank]
+        lines.append(f"rank {rank}: {reading.describe()}")
+        if reading.steps is not None:
+            lines.append(f"  steps: {reading.steps.describe()}")
+        cuda = {k: v for k, v in reading.memory.items() if k.startswith("cuda_")}
+        if cuda:
+            lines.append("  cuda: " + ", ".join(f"{k[5:]} {v / 2**20:.0f} MiB" for k, v in cuda.items()))
+    straggler = find_straggler({rank: r.steps for rank, r in readings.items() if r.steps is not None})
+    if straggler is not None:
+        lines.append(straggler.describe())
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Ranks that can never meet in their collectives, named with their collectives and cell lines."""
+
+    summary: str
+    blocked: tuple[int, ...]
+    details: tuple[str, ...]
+    waited: float = 0.0  # seconds the blocked ranks had waited when it was found
+
+    def describe(self) -> str:
+        found = f" (found {self.waited:.1f} s after the first of these collectives began)" if self.waited else ""
+        return "\n".join((self.summary + found, *(f"  {line}" for line in self.details)))
+
+
+def find_mismatch(readings: Mapping[int, RankCollectives], finished: Iterable[int]) -> Mismatch | None:
+    """A mismatch in one reading: pure logic over what the ranks said (see MismatchWatch)."""
+    finished = set(finished)
+    running = {rank: r for rank, r in readings.items() if rank not in finished}
+    blocked = {rank: r for rank, r in running.items() if r.current is not None}
+    if not blocked:
+        return None
+
+    def where(r: RankCollectives) -> str:
+        current = r.current
+        assert current is not None
+        line = f", cell line {r.cell_line}" if r.cell_line is not None else ""
+        return f"rank {r.rank} waits in {current.describe()}{line} ({r.waited:.1f} s)"
+
+    gone = [readings[rank] for rank in sorted(finished) if rank in readings]
+    skipped = [f for f in gone if any(f.last_seq < b.current.seq for b in blocked.values() if b.current is not None)]
+    if skipped:
+        details = [where(r) for r in blocked.values()] + [_finished_after(f, blocked.values()) for f in skipped]
+        return Mismatch(
+            f"collective mismatch: rank(s) {_ranks(skipped)} finished the cell without a collective that "
+            f"rank(s) {_ranks(blocked.values())} wait in",
+            tuple(sorted(blocked)),
+            tuple(details),
+            max(r.waited for r in blocked.values()),
+        )
+    if len(blocked) < len(running) or len(blocked) < 2:
+        return None  # some rank is still computing: it may yet reach the collective
+    signatures = {r.current.signature() for r in blocked.values() if r.current is not None}
+    if len(signatures) == 1:
+        return None
+    seqs = {s[0] for s in signatures}
+    ops = {s[1] for s in signatures}
+    what = "sequence numbers" if len(seqs) > 1 else "ops" if len(ops) > 1 else "shapes"
+    return Mismatch(
+        f"collective mismatch: every rank is blocked, in collectives with different {what}",
+        tuple(sorted(blocked)),
+        tuple(where(r) for r in blocked.values()),
+        max(r.waited for r in blocked.values()),
+    )
+
+
+class MismatchWatch:
+    """Readings over time to a confirmed mismatch: the same one seen twice, CONFIRM_SECONDS apart."""
+
+    def __init__(self, confirm_seconds: float = CONFIRM_SECONDS) -> None:
+        self.confirm_seconds = confirm_seconds
+        self._seen: tuple[Any, ...] | None = None
+        self._seen_at = 0.0
+
+    def check(
+        self, readings: Mapping[int, RankCollectives], finished: Iterable[int], now: float | None = None
+    ) -> Mismatch | None:
+        now = time.monotonic() if now is None else now
+        finished = tuple(sorted(finished))
+        found = find_mismatch(readings, finished)
+        if found is None:
+            self._seen = None
+            return None
+        picture = (finished, tuple((rank, r.current and r.current.signature()) for rank, r in sorted(readings.items())))
+        if picture != self._seen:
+            self._seen, self._seen_at = picture, now
+            return None
+        return found if now - self._seen_at >= self.confirm_seconds else None
+
+
+class CollectiveMismatchError(RankError):
+    """Ranks were blocked in collectives that could never match: they were released from them
+    (the failures are what they raised then), their state kept."""
+
+    def __init__(self, mismatch: Mismatch, failures: Iterable[RankFailure], note: str = "") -> None:
+        super().__init__(list(failures), note=note.strip())
+        self.mismatch = mismatch
+        self.args = (mismatch.summary,)
+
+    def __str__(self) -> str:
+        return self.mismatch.summary
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [self.mismatch.describe()]
+        lines.append("the blocked ranks were released from their collectives (their processes and variables are kept)")
+        if self.note:
+            lines.append(self.note.strip())
+        return lines
+
+
+def _finished_after(finished: RankCollectives, blocked: Iterable[RankCollectives]) -> str:
+    missed = ", ".join(f"#{b.current.seq}" for b in blocked if b.current and b.current.seq > finished.last_seq)
+    after = f"after collective #{finished.last_seq}" if finished.last_seq else "without any collective"
+    return f"rank {finished.rank} finished the cell {after}: it never ran {missed}"
+
+
+def _ranks(readings: Iterable[RankCollectives]) -> str:
+    return ", ".join(str(r.rank) for r in readings)

@@ -1,0 +1,2 @@
+"""What the notebook shows while a cell runs: the feed of the ranks' metrics and progress, the
+widget and text views of it, stragglers named from step times."""

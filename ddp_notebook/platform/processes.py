@@ -1,0 +1,161 @@
+"""The processes a world is made of: waiting for them, ending them, saying how they ended.
+
+Only PIDs this package started (and what they forked) are ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .limits import OomVerdict
+
+# what the notebook side tells the processes it starts, through their environment
+OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
+OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
+SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
+PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
+# how often a wait on ranks (a running cell, a comeback) checks that their processes are alive
+DEATH_CHECK_SECONDS = 0.25
+
+
+def owner_environment() -> dict[str, str]:
+    """Tells the processes we start whose they are: they exit when this kernel dies."""
+    return {OWNER_PID_ENV: str(os.getpid()), OWNER_HOST_ENV: socket.gethostname()}
+
+
+def describe_exit(code: int | None, oom: OomVerdict | None = None) -> str:
+    """How a rank process ended, in words a user can act on.
+
+    `oom` says whether the out-of-memory killer struck meanwhile, from the cgroup's own
+    counters (`limits.Platform.oom_since`): a SIGKILL is then named for what it was instead
+    of guessed at.
+    """
+    oom_killed = oom.killed if oom is not None else None
+    if code is None:
+        return "exited"
+    if code == -signal.SIGKILL and oom_killed and oom is not None:
+        return f"was killed by the out-of-memory killer ({oom.cause})"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if name == "SIGKILL" and oom_killed is False:
+            return "was killed by SIGKILL"  # not for memory: the counters did not move
+        hint = {
+            "SIGKILL": " (often the out-of-memory killer)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGABRT": " (aborted, e.g. by a failed check in native code)",
+        }.get(name, "")
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+def log_tail(path: str, lines: int = 5) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf8", errors="replace") as handle:
+            tail = handle.read().strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return " | ".join(tail)
+
+
+def run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
+    # stop_cluster_sync spins its own event loop; never let it hold the notebook forever
+    worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
+    worker.start()
+    worker.join(seconds)
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every living process started by one of `pids`, or by one of those, and so on down."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    found: list[int] = []
+    seen = set(pids)
+    pending = list(pids)
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                pending.append(child)
+    return found
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process visible here: /proc on Linux, `ps` elsewhere."""
+    proc = Path("/proc")
+    if (proc / "self" / "stat").exists():
+        parents = {}
+        for entry in proc.iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:  # it ended meanwhile
+                    continue
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+        return parents
+    listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
+    return {int(pid): int(parent) for pid, parent in (line.split() for line in listing.splitlines() if line.strip())}
+
+
+def controller_pid(cluster: Any) -> int | None:
+    controller = getattr(cluster, "controller", None)
+    return getattr(controller, "pid", None) if controller is not None else None
+
+
+def wait_gone(pids: list[int], wait: float) -> list[int]:
+    """Wait up to `wait` seconds for `pids` to exit; return those still alive."""
+    deadline = time.monotonic() + wait
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if pid_alive(pid)]
+        if alive:
+            time.sleep(0.02)
+    return alive
+
+
+def kill_survivors(pids: list[int], wait: float = 3.0) -> None:
+    """SIGKILL any of our own processes still alive after a clean stop was asked for."""
+    for pid in wait_gone(pids, wait):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        if finished == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (or already reaped): fall back to a signal probe
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _not_zombie(pid)
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

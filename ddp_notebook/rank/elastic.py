@@ -1,0 +1,457 @@
+"""Runs on ranks: the training state a world keeps alive when a rank's process dies.
+
+`track(model=..., optimizer=..., loader=..., step=0)` names the objects that are the training
+state. A snapshot is an in-memory copy of them (never written to disk), taken at the end of
+every cell that succeeded and every `snapshot_every` batches of a tracked loader (or by
+`snapshot()`); each rank keeps its last two. When a rank is replaced, a surviving rank sends
+its snapshot to every rank (`restore`), so the whole world goes back to one consistent point.
+
+Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
+parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
+epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace). A
+snapshot also keeps the rank's own random number generators: a survivor goes back to its own,
+a new rank takes the sender's (the same stream where the ranks were seeded alike).
+
+A model sharded by `shard_model` (FSDP2) is world state too once gathered: its snapshot holds
+the whole model (and a tracked optimizer over it the whole optimizer state, keyed by parameter
+name), taken through `torch.distributed.checkpoint.state_dict` and copied to the CPU on every
+rank, so any survivor can serve it and it loads on any world size (each rank keeps its slice).
+Gathering is a collective, so it happens only where every rank is at the same point: the
+tracked loader's every-K-batches hook, `snapshot()` called on every rank, a resize, and the end
+of a cell that succeeded on every rank, which the notebook asks all ranks for at once (a rank's
+own end-of-cell hook cannot know that the others got there; it publishes that one is owed). A
+cell that left the sharded state as it was (no step, no load: the write counts of its tensors
+say so) needs no gather: each rank reuses the last gathered copy. A rank that replayed the
+setup cells alone (a one-rank mesh) or a world of another size shards the model again over the
+world before loading it (`sharding.reshard`), and points the optimizers at its new parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..wire.join import RankSpec
+from . import channel, helpers, torch_adapter
+from . import group as rank_side
+from .state import DEFAULT_SNAPSHOT_EVERY, RANK
+
+
+@dataclasses.dataclass
+class Snapshot:
+    seq: int  # how many snapshots this rank took: the same on every rank at the same point
+    where: str  # "epoch E, batch B" or "end of a cell", for the message after a comeback
+    state: dict[str, Any]
+    # this rank's random number generators (torch's CPU one, CUDA's, Python's, NumPy's): its own,
+    # not the world's, since ranks may be seeded apart
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_NAMESPACE = object()
+
+
+def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> None:
+    """Declare the training state a replacement rank must get back (call it in a `%%ddp --setup` cell).
+
+    Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
+    `load_state_dict`) and loaders from `prepare_loader` are restored in place; any other
+    value names a variable of the rank's namespace (`step=step`) restored by that name.
+    A snapshot is taken at the end of every cell that succeeds, and every
+    `snapshot_every` batches of a tracked loader.
+
+    A model sharded by `shard_model` (FSDP2) is snapshotted whole (gathered; a CPU copy of the
+    full model on every rank), and an optimizer over it must be tracked with it.
+    """
+    if snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    for name, obj in objects.items():
+        if isinstance(obj, torch.utils.data.DataLoader) and not (
+            isinstance(obj, helpers.EpochDataLoader) and isinstance(obj.sampler, helpers.ResumableSampler)
+        ):
+            raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
+        if _is_sharded_module(obj) and not _reshardable(obj):
+            raise TypeError(
+                f"'{name}' cannot be sharded again on another number of ranks (it was sharded by fully_shard "
+                "directly, on a mesh of more than one dimension, or copy.deepcopy cannot copy it): "
+                "shard it with ddp_notebook.shard_model to track it"
+            )
+    owners = _sharded_owners({**RANK.tracked.objects, **objects})
+    for name, obj in objects.items():
+        RANK.tracked.objects[name] = obj if _restorable(obj) else _NAMESPACE
+    RANK.tracked.owners.clear()
+    RANK.tracked.owners.update(owners)
+    RANK.tracked.every = snapshot_every
+    RANK.tracked.collective = any(_is_sharded_module(obj) for obj in RANK.tracked.objects.values())
+    for obj in RANK.tracked.objects.values():
+        if isinstance(obj, helpers.EpochDataLoader):
+            obj.after_batch = _after_batch
+    if not RANK.tracked.hooked:
+        shell = _shell()
+        if shell is not None:
+            shell.events.register("post_run_cell", _after_cell)
+        RANK.tracked.hooked = True
+
+
+def tracked() -> list[str]:
+    """The names tracked on this rank."""
+    return sorted(RANK.tracked.objects)
+
+
+def snapshot(where: str = "an explicit snapshot") -> int:
+    """Copy the tracked state now (in memory); returns the snapshot's number.
+
+    With a sharded (FSDP2) model tracked this gathers its whole state: a collective, to call on
+    every rank at the same point of the code.
+    """
+    return _take(where, reuse_sharded=False)
+
+
+def _take(where: str, reuse_sharded: bool) -> int:
+    RANK.tracked.seq += 1
+    state = _capture(RANK.tracked.snapshots[-1].state if reuse_sharded else None)
+    RANK.tracked.snapshots.append(Snapshot(RANK.tracked.seq, where, state, _rng()))
+    if RANK.tracked.collective:
+        RANK.tracked.sharded_mark = _sharded_mark()
+    return int(RANK.tracked.seq)
+
+
+def snapshot_numbers() -> list[int]:
+    return [snap.seq for snap in RANK.tracked.snapshots]
+
+
+def snapshot_bytes() -> int:
+    """Memory the kept snapshots take on this rank (tensors only)."""
+    seen: set[int] = set()
+    return sum(_tensor_bytes(snap.state, seen) for snap in RANK.tracked.snapshots)
+
+
+def restore(seq: int, source: int) -> str:
+    """Every rank calls this at once: `source` sends its snapshot `seq`, every rank loads it.
+
+    Returns where the snapshot was taken.
+    """
+    me = dist.get_rank()
+    found = next((snap for snap in RANK.tracked.snapshots if snap.seq == seq), None)
+    if me == source and found is None:
+        raise RuntimeError(f"rank {me} holds no snapshot {seq}")
+    box = [found if me == source else None]
+    dist.broadcast_object_list(box, src=source)
+    chosen: Snapshot = box[0]  # type: ignore[assignment]
+    missing = sorted(set(chosen.state) - set(RANK.tracked.objects))
+    if missing:
+        raise RuntimeError(
+            f"rank {me} does not track {', '.join(missing)}: call ddp_notebook.track(...) in a %%ddp --setup cell"
+        )
+    _apply(chosen.state)
+    # a rank that holds this snapshot goes back to its own generators; a new rank takes the
+    # sender's, which are its own where the ranks were seeded alike (the usual manual_seed(0))
+    if found is not None:
+        chosen = dataclasses.replace(chosen, rng=found.rng)
+    _set_rng(chosen.rng)
+    RANK.tracked.snapshots.clear()
+    RANK.tracked.snapshots.append(chosen)
+    RANK.tracked.seq = chosen.seq
+    RANK.tracked.sharded_mark = _sharded_mark() if RANK.tracked.collective else None
+    return chosen.where
+
+
+def begin_replay(spec: RankSpec) -> None:
+    """Before the setup cells are replayed on a new rank: it is rank `spec.rank` of the world,
+    in a process group of its own (collectives in setup cells see one rank); joining the
+    world's group later moves models from `prepare_model` onto it."""
+    port = rank_side.open_rendezvous(spec.master_addr)
+    alone = dataclasses.replace(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None, master_port=port)
+    rank_side.init_world(alone)
+    joined = rank_side.joined_context()
+    assert joined is not None  # init_world just set it
+    context = dataclasses.replace(
+        joined,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        local_rank=spec.local_rank,
+        local_world_size=spec.local_world_size,
+    )
+    rank_side.become(context)
+
+
+def wrapped_models() -> dict[str, list[list[int]] | None]:
+    """Names in the rank's namespace that hold a model from `prepare_model`, each with its gradient
+    buckets' layout (None where the reducer has not rebuilt them yet)."""
+    wrappers = {id(wrapper): wrapper for wrapper in rank_side.wrappers()}
+    return {
+        name: torch_adapter.ddp_bucket_layout(wrappers[id(value)])
+        for name, value in sorted(_namespace().items())
+        if id(value) in wrappers
+    }
+
+
+def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
+    """Every rank at once, after a rank was replaced: the models these names hold (every rank has
+    them: the setup cells made them) get a fresh DDP reducer over the new group, in place, with
+    the gradient buckets laid out as given (a survivor's, so the next step sums as it would have).
+
+    A survivor's reducer has rebuilt its gradient buckets long ago, a new rank's has not, and
+    the rebuild is a collective: left as they are, the two would pair different collectives.
+    """
+    namespace = _namespace()
+    for name, layout in layouts.items():
+        wrapper = namespace[name]
+        kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
+        torch_adapter.drop_ddp_hooks(wrapper)
+        with torch_adapter.ddp_buckets(layout):
+            fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
+        wrapper.__dict__.update(fresh.__dict__)
+
+
+# ---------------------------------------------------------------- inside
+
+
+def _restorable(obj: Any) -> bool:
+    return isinstance(obj, helpers.EpochDataLoader) or (
+        callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _shell() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _namespace() -> dict[str, Any]:
+    shell = _shell()
+    return shell.user_ns if shell is not None else {}
+
+
+def skip_cell_snapshot() -> None:
+    """The next cell runs on some ranks only: its end is no point of the whole world, so it takes
+    no snapshot there (a snapshot's number must mean the same point on every rank, or survivors
+    of a later death hold none in common)."""
+    RANK.tracked.skip_cell = True
+
+
+def _after_cell(result: Any) -> None:
+    skip, RANK.tracked.skip_cell = RANK.tracked.skip_cell, False
+    if skip or not (RANK.tracked.objects and getattr(result, "success", False)):
+        return
+    if not RANK.tracked.collective:
+        snapshot("the end of a cell")
+    elif RANK.tracked.snapshots and _sharded_mark() == RANK.tracked.sharded_mark:
+        # the sharded state is as the last snapshot gathered it (a cell that did not train):
+        # that copy serves again, with fresh copies of the rest, and no collective is needed
+        _take("the end of a cell", reuse_sharded=True)
+    else:
+        # gathering is a collective, and another rank may have failed or still be in the cell:
+        # the notebook, which knows, has every rank take it at once
+        _publish_snapshot_owed()
+
+
+def _publish_snapshot_owed() -> None:
+    shell = _shell()
+    if shell is not None and channel.in_rank(shell):  # an ipyparallel rank: a notebook listens
+        from ipyparallel.datapub import publish_data
+
+        from ..wire.results import SNAPSHOT_OWED_KEY
+
+        publish_data({SNAPSHOT_OWED_KEY: True})
+
+
+def _after_batch(loader: helpers.EpochDataLoader) -> None:
+    if RANK.tracked.objects and loader.batches_done % RANK.tracked.every == 0:
+        snapshot(f"epoch {loader.epoch - 1}, batch {loader.batches_done}")
+
+
+def _module(obj: torch.nn.Module) -> torch.nn.Module:
+    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+
+
+def _capture(last: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of the tracked state; the sharded parts come from `last` where given (unchanged)."""
+    namespace = _namespace()
+    state: dict[str, Any] = {}
+    for name, obj in RANK.tracked.objects.items():
+        if last is not None and name in last and last[name][0] in ("sharded_module", "sharded_optimizer"):
+            state[name] = last[name]
+        elif obj is _NAMESPACE:
+            if name in namespace:
+                state[name] = ("value", copy.deepcopy(namespace[name]))
+        elif isinstance(obj, helpers.EpochDataLoader):
+            state[name] = ("loader", obj.position_state())
+        elif _is_sharded_module(obj):
+            state[name] = ("sharded_module", _copied(_sharding().full_model_state(obj)))
+        elif isinstance(obj, torch.nn.Module):
+            state[name] = ("module", _copied(_module(obj).state_dict()))
+        elif name in RANK.tracked.owners:
+            model = RANK.tracked.objects[RANK.tracked.owners[name]]
+            state[name] = ("sharded_optimizer", _copied(_sharding().full_optimizer_state(model, obj)))
+        else:
+            state[name] = ("state_dict", _copied(obj.state_dict()))
+    return state
+
+
+def _apply(state: dict[str, Any]) -> None:
+    namespace = _namespace()
+    # sharded models first: sharding one again on this world gives it new parameters, which
+    # the optimizers must point at before they load their state
+    ordered = sorted(state.items(), key=lambda item: item[1][0] != "sharded_module")
+    for name, (kind, value) in ordered:
+        obj = RANK.tracked.objects[name]
+        if kind == "sharded_module":
+            _reshard_if_needed(obj)
+            _sharding().load_full_model_state(obj, value)
+        elif kind == "sharded_optimizer":
+            _sharding().load_full_optimizer_state(RANK.tracked.objects[RANK.tracked.owners[name]], obj, value)
+        elif kind == "value":
+            namespace[name] = copy.deepcopy(value)
+        elif kind == "loader":
+            obj.resume_from(value)
+        elif kind == "module":
+            _module(obj).load_state_dict(value)
+        else:
+            obj.load_state_dict(copy.deepcopy(value))
+
+
+def _rng() -> dict[str, Any]:
+    """This rank's generators as they are now (a few KiB)."""
+    found: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    gpu = _gpu()
+    if gpu is not None:
+        found["cuda"] = torch.cuda.get_rng_state(gpu)
+    numpy = sys.modules.get("numpy")  # only where the user's code imported it
+    if numpy is not None:
+        found["numpy"] = numpy.random.get_state()
+    return found
+
+
+def _gpu() -> torch.device | None:
+    """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
+    context = rank_side.joined_context()
+    if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return context.device
+
+
+def _set_rng(saved: dict[str, Any]) -> None:
+    if "torch" in saved:
+        torch.set_rng_state(saved["torch"])
+    if "python" in saved:
+        random.setstate(saved["python"])
+    gpu = _gpu()
+    if "cuda" in saved and gpu is not None:
+        torch.cuda.set_rng_state(saved["cuda"], gpu)  # the sender's GPU generator onto this rank's GPU
+    if "numpy" in saved:
+        import numpy
+
+        numpy.random.set_state(saved["numpy"])
+
+
+def _sharding() -> Any:
+    from . import sharding
+
+    return sharding
+
+
+def _is_sharded_module(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and helpers.is_sharded(obj)
+
+
+def _reshardable(model: torch.nn.Module) -> bool:
+    return bool(_sharding().can_reshard(model))
+
+
+def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
+    """Optimizer name -> the name of the tracked sharded model it optimizes; its state is saved
+    whole (gathered) and loaded by parameter name, which needs the model."""
+    from torch.distributed.tensor import DTensor
+
+    models = {name: obj for name, obj in objects.items() if _is_sharded_module(obj)}
+    owners = {}
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        params = {id(p) for group in obj.param_groups for p in group["params"]}
+        if not any(isinstance(p, DTensor) for group in obj.param_groups for p in group["params"]):
+            continue
+        owner = next((model for model, m in models.items() if params & {id(p) for p in m.parameters()}), None)
+        if owner is None:
+            raise TypeError(f"'{name}' optimizes a sharded model: track that model too (track(model=..., {name}=...))")
+        owners[name] = owner
+    return owners
+
+
+def _sharded_mark() -> list[Any]:
+    """What changes when a tracked sharded model or its optimizer does: their tensors' identities,
+    storages and write counts (torch bumps them on every in-place write: a step, a load) and the
+    optimizers' hyperparameters. Comparing it costs no collective."""
+    mark: list[Any] = []
+    for name, obj in RANK.tracked.objects.items():
+        if _is_sharded_module(obj):
+            tensors = [*obj.parameters(), *obj.buffers()]
+            mark.append([torch_adapter.write_mark(t) for t in tensors])
+        elif name in RANK.tracked.owners:
+            mark.append([_versions(state) for state in obj.state.values()])
+            mark.append([_versions(_hyperparameters(group)) for group in obj.param_groups])
+    return mark
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _versions(value: dict[str, Any]) -> list[Any]:
+    """A dict's values, with each tensor as its identity and write counts: cheap to compare, no copy."""
+    return [
+        (key, torch_adapter.write_mark(item) if isinstance(item, torch.Tensor) else item) for key, item in value.items()
+    ]
+
+
+def _reshard_if_needed(model: torch.nn.Module) -> None:
+    """A model sharded on another number of ranks (the world was resized, or this rank replayed the
+    setup cells alone) is sharded again over the world; every optimizer that held its old
+    parameters is pointed at the new ones (their state comes with the snapshot, or is lost)."""
+    sharding = _sharding()
+    if sharding.mesh_size(model) == dist.get_world_size():
+        # a survivor's model may have been mid-step when the peer died: torch's recovery for that
+        # (on the root FSDP module; a tracked submodule of another sharded model has none to run)
+        if torch_adapter.fsdp_is_root(model) is not False:
+            model.reset_iter_state()
+        return
+    moved = sharding.reshard(model, rank_side.context().device)
+    candidates = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.optim.Optimizer)]
+    candidates += [value for value in _namespace().values() if isinstance(value, torch.optim.Optimizer)]
+    for optimizer in {id(o): o for o in candidates}.values():
+        sharding.repoint(optimizer, moved)
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy whose tensors live on the CPU (a snapshot must not take device memory)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _tensor_bytes(value: Any, seen: set[int] | None = None) -> int:
+    """Bytes of the tensors in `value`, each counted once (snapshots share unchanged sharded parts)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item, seen) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item, seen) for item in value)
+    return 0

@@ -1,0 +1,123 @@
+"""A rank process's state, as one typed object: `RANK`.
+
+What this process is and holds between cells, not configuration: set as it joins a world,
+read by the helpers its cells call, cleared as it leaves. One per process (as `timing.CLOCK`
+is), each part owned by the one module that changes it, named here so that a reader sees all
+of a rank's state in one place. Standard library only at run time: every rank module may
+import it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import socket
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .channel import Channel
+    from .elastic import Snapshot
+    from .sharding import Recipe
+
+# the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
+# costs a few percent of its step time (benchmarks/elastic.py measures it)
+DEFAULT_SNAPSHOT_EVERY = 20
+KEEP_SNAPSHOTS = 2  # the newest one may be half taken on some ranks when a rank dies
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is in the world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    master_addr: str
+    master_port: int
+
+
+@dataclass
+class Membership:
+    """The world this process joined (`group`)."""
+
+    context: RankContext | None = None  # None before the first join, after shutdown, under torchrun
+    listener: socket.socket | None = None  # rank 0's rendezvous socket, until its store takes it
+    stack_dumps: bool = False  # faulthandler's signal and the X-ray's socket are set up (once a process)
+    run_id: str | None = None  # rank 0: the TORCHELASTIC_RUN_ID it shares with the world
+    joins: int = 0  # rank 0: groups formed after the first, the world's TORCHELASTIC_RESTART_COUNT
+
+
+@dataclass
+class Prepared:
+    """What `prepare_model` and `prepare_loader` made, kept weakly: moved onto each new group."""
+
+    wrappers: weakref.WeakSet[torch.nn.parallel.DistributedDataParallel] = field(default_factory=weakref.WeakSet)
+    samplers: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # ResumableSamplers, resharded
+    # FSDP2 models -> how shard_model sharded them (to shard them again at another world size)
+    recipes: weakref.WeakKeyDictionary[torch.nn.Module, Recipe] = field(default_factory=weakref.WeakKeyDictionary)
+
+
+@dataclass
+class Tracked:
+    """The training state `track` declared and the snapshots of it (`elastic`)."""
+
+    objects: dict[str, Any] = field(default_factory=dict)  # name -> object, or elastic's NAMESPACE marker
+    snapshots: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP_SNAPSHOTS))
+    every: int = DEFAULT_SNAPSHOT_EVERY  # batches of a tracked loader between two snapshots
+    seq: int = 0  # snapshots taken: the same on every rank at the same point
+    hooked: bool = False  # the end-of-cell snapshot hook is registered
+    collective: bool = False  # a tracked model is sharded: a snapshot gathers, every rank at once
+    sharded_mark: Any = None  # the sharded state's write mark when it was last copied
+    skip_cell: bool = False  # the running cell runs on some ranks only: no snapshot at its end
+    owners: dict[str, str] = field(default_factory=dict)  # tracked optimizer over a sharded model -> that model
+
+
+@dataclass
+class StrictChecks:
+    """Strict mode (`strict`): the collectives it wraps and the group its checks run on."""
+
+    originals: dict[str, Any] = field(default_factory=dict)  # name -> torch's function, while checking
+    group: Any = None  # the checks' own gloo group, made once per default group
+    world: Any = None  # the default group that group was made for
+    checking: dict[str, Any] | None = None  # the check in progress (for the X-ray), else None
+
+
+@dataclass
+class XrayServer:
+    """The X-ray's serving side (`xray`): its sockets and what it remembers between answers."""
+
+    server: Any = None  # the Unix socket server on the notebook's host
+    tcp_server: socket.socket | None = None  # the signed TCP server toward a notebook on another host
+    sockets_before: frozenset[tuple[int, int]] = frozenset()  # (fd, inode) open before the group
+    group_made_ns: int = 0  # when the current default group was made (flight recorder clock)
+    default_pg_id: Any = None  # the flight recorder's id of the current default group
+    pending: tuple[int, float] | None = None  # a collective seen starting: (its count, when)
+
+
+@dataclass
+class StepHooks:
+    """torch's global optimizer hooks of the step timing (`timing`), installed once."""
+
+    installed: dict[str, Any] = field(default_factory=dict)  # "pre"/"post" -> torch's handle
+    ipython_hooked: set[str] = field(default_factory=set)  # the IPython events already hooked
+
+
+@dataclass
+class RankState:
+    membership: Membership = field(default_factory=Membership)
+    prepared: Prepared = field(default_factory=Prepared)
+    channel: Channel | None = None  # the live view's channel, made on first log()/progress()
+    tracked: Tracked = field(default_factory=Tracked)
+    strict: StrictChecks = field(default_factory=StrictChecks)
+    xray: XrayServer = field(default_factory=XrayServer)
+    step_hooks: StepHooks = field(default_factory=StepHooks)
+    breakpoints: int = 0  # breakpoint() calls so far: each one's key in the store
+
+
+RANK = RankState()

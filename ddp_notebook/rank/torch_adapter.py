@@ -1,0 +1,140 @@
+"""Every use of torch's private internals, in one place.
+
+torch offers no public way to do these few things: read the flight recorder as data, move a
+DDP model or an FSDP2 model onto another process group, make a one-rank gloo group without a
+store rendezvous, give a rebuilt FSDP2 module's state to the user's object. Each function is
+exercised by `tests/test_torch_adapter.py` (and the heal, comeback and X-ray tests that rely on
+it), and `pyproject.toml` bounds torch to the versions those tests cover: a torch that moves
+one of these fails there first. Runs on ranks; imported only where torch already is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def flight_recorder(entries: bool) -> dict[str, Any]:
+    """torch's flight recorder of this process as data: per group its status (`pg_status`: last
+    enqueued / completed sequence numbers) and, with `entries`, the recorded collectives."""
+    return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(entries, False))  # type: ignore[no-any-return]
+
+
+def move_ddp(wrapper: torch.nn.parallel.DistributedDataParallel, group: dist.ProcessGroup) -> None:
+    """Point a DDP model's reducer at `group` (its buckets and hooks are kept)."""
+    wrapper._update_process_group(group)
+
+
+def ddp_bucket_layout(wrapper: torch.nn.parallel.DistributedDataParallel) -> list[list[int]] | None:
+    """The parameter indices in each of a DDP model's gradient buckets, as its reducer last rebuilt
+    them from the order gradients became ready (None before its first rebuild: the initial layout)."""
+    text = wrapper._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    if not isinstance(text, str) or not text.strip():
+        return None
+    return [[int(index) for index in bucket.split()] for bucket in text.split(",")]
+
+
+@contextlib.contextmanager
+def ddp_buckets(layout: list[list[int]] | None) -> Iterator[None]:
+    """DDP models made inside start with their gradient buckets laid out as `layout` (from
+    `ddp_bucket_layout`) instead of the initial one. Where a bucket holds other parameters, or the
+    same ones in another order, the all-reduce sums them in another order across 3+ ranks: not
+    the same bits."""
+    if layout is None:
+        yield
+        return
+    compute = dist._compute_bucket_assignment_by_size
+
+    def assign(parameters: Any, limits: list[int], *args: Any) -> tuple[list[list[int]], list[int]]:
+        # DDP hands the reducer its buckets reversed (the order gradients usually become ready)
+        return [list(bucket) for bucket in reversed(layout)], [max(limits)] * len(layout)
+
+    dist._compute_bucket_assignment_by_size = assign
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
+
+
+def drop_ddp_hooks(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Unhook a DDP model's reducer from its parameters' gradients, before another reducer replaces it."""
+    wrapper.reducer._remove_autograd_hooks()
+
+
+def lone_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group of this rank alone on gloo, made without any rendezvous (and no name:
+    nothing registers it, so nothing keeps it alive but its holders)."""
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def write_mark(tensor: torch.Tensor) -> tuple[int, int, int, int]:
+    """A tensor's identity, storage and write counts (torch bumps a tensor's version on every
+    in-place write): a DTensor counts writes through it (an optimizer's step), its local tensor
+    those made to the shard directly (FSDP's own)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (id(tensor), local.data_ptr(), tensor._version, local._version)
+
+
+def point_mesh_at(mesh: Any, group: dist.ProcessGroup | None) -> None:
+    """Make a one-dimensional DeviceMesh hand out `group` as its process group (None: none at all,
+    so it keeps no old group alive)."""
+    if group is None:
+        mesh._pg_registry = {}
+    else:
+        mesh._dim_group_names = [group.group_name]
+        mesh._pg_registry = {group.group_name: group}
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run `callback` when the autograd engine finishes the backward pass under way."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def fsdp_param_group(module: torch.nn.Module) -> Any:
+    """The parameter group FSDP2's `fully_shard` gave `module` (None where it holds no parameters
+    of its own): its `mesh_info`, and its `fsdp_params` with theirs."""
+    return module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+
+
+def fsdp_is_root(module: torch.nn.Module) -> bool | None:
+    """Whether FSDP2 made `module` the root of its sharded tree (None before its first forward)."""
+    return module._get_fsdp_state()._is_root  # type: ignore[operator, no-any-return]
+
+
+def share_fsdp_state(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Make torch find `source`'s FSDP2 state from `target` (torch keys it by the module object)."""
+    from torch.distributed import _composable_state
+
+    states = _composable_state._module_state_mapping
+    states[target] = states[source]
+
+
+# gloo raises plain RuntimeErrors (torch 2.13: "[.../gloo/transport/tcp/pair.cc:553] Connection closed
+# by peer", "Timed out waiting 3000ms for recv"); a collective on a group released or destroyed meanwhile
+# raises ValueError("Default process group has not been initialized"). NCCL raises DistBackendError.
+_BROKEN_GROUP_TEXT = re.compile(
+    r"/gloo/|\[gloo\]|nccl|Connection closed by peer|Connection reset|ProcessGroup|Timed out|timed out|"
+    r"Default process group has not been initialized",
+)
+
+
+def breaks_group(error: BaseException) -> bool:
+    """Whether `error` (a cell's) means this rank's process group is unusable and must be set up again.
+
+    By type where torch gives one (`torch.distributed.DistError`: DistBackendError, DistNetworkError,
+    DistStoreError); gloo's errors and a released group's have no type of their own, so their text."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, (RuntimeError, ValueError)) and _BROKEN_GROUP_TEXT.search(str(error)) is not None

@@ -1,0 +1,220 @@
+"""A dead rank comes back: a new process, the setup cells replayed, the group formed again at
+the same size, and every rank brought to the last snapshot of the tracked state. Resizing a
+world (`resize`) is the same steps with ranks added or ended.
+
+Notebook side (no torch). `DDPCluster` calls `bring_back` when a cell found a rank's process
+gone, and `resize` for `DDPCluster.resize`, each on its `RunningWorld` (whose layout they change
+in place; the caller takes the new rank map); the rank side of both is `elastic.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import DDPError, one_line
+from ..platform.processes import DEATH_CHECK_SECONDS
+from ..rank import calls as rank_calls
+from ..wire.join import Identity
+from ..wire.results import RankInfo
+from . import forming, layout
+from .config import WorldConfig
+from .provisioning import Provisioner
+from .running import RunningWorld
+
+POLL_SECONDS = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Comeback:
+    """What `bring_back` or `resize` did."""
+
+    ranks: dict[int, RankInfo]  # the new rank map
+    seconds: float
+    resumed_from: str | None  # where the restored snapshot was taken; None when nothing is tracked
+
+
+def bring_back(running: RunningWorld, config: WorldConfig, dead: Iterable[int]) -> Comeback:
+    """Replace the ranks in `dead` by new processes and bring the world back to one consistent point.
+
+    Raises DDPError with what went wrong; the world is then left as it was found (dead ranks).
+    """
+    began = time.perf_counter()
+    deadline = began + config.start_timeout
+    provisioner, world = running.provisioner, running.layout
+    lost = sorted(dead)
+    survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in lost]
+    started = _start_ranks(provisioner, lost, deadline)
+    for rank, new in started.items():  # the same place, another process
+        world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=new.engine_id, pid=new.pid)
+    _replay_setup(provisioner, config, world, lost, running.setup_cells, deadline)
+    return _regroup(provisioner, config, world, survivors, running.private_dir, began, deadline)
+
+
+def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
+    """Grow or shrink a running world to `size` ranks: the ranks that stay keep everything; new
+    ranks get the setup cells replayed and the tracked state from rank 0; the ranks past `size`
+    end. Every rank goes to a snapshot taken now, so tracked loaders deal the rest of their
+    epoch over the new ranks."""
+    began = time.perf_counter()
+    deadline = began + config.start_timeout
+    provisioner, world, ranks, client = running.provisioner, running.layout, running.ranks, running.client
+    old = len(world.placements)
+    everyone = client[running.engines()]
+    everyone.apply_async(rank_calls.take_snapshot, "the resize").get(timeout=_remaining(deadline))
+    staying = [ranks[r] for r in sorted(ranks) if r < size]
+    if size > old:
+        added = list(range(old, size))
+        started = _start_ranks(provisioner, added, deadline)
+        _renumber(world, world.placements, [started[slot] for slot in added])
+        _replay_setup(provisioner, config, world, added, running.setup_cells, deadline)
+    else:
+        leaving = [ranks[r] for r in sorted(ranks) if r >= size]
+        everyone.apply_async(rank_calls.release_group).get(timeout=_remaining(deadline))
+        provisioner.remove(leaving)
+        _renumber(world, world.placements[:size], [])
+    return _regroup(provisioner, config, world, staying, running.private_dir, began, deadline)
+
+
+def _start_ranks(provisioner: Provisioner, slots: list[int], deadline: float) -> dict[int, layout.EngineIdentity]:
+    """New processes for `slots`, once they registered."""
+    known = set(provisioner.client.ids)
+    provisioner.add(slots)
+    return _wait_for_new_engines(provisioner, known, slots, deadline)
+
+
+def _renumber(world: forming.WorldLayout, kept: list[layout.Placement], new: list[layout.EngineIdentity]) -> None:
+    """Place the ranks again (local rank and size per host), each keeping its number (CPU ranks)."""
+    identities = [layout.EngineIdentity(p.engine_id, p.host, p.pid, slot=p.rank) for p in kept]
+    world.placements = layout.place_ranks(identities + new, use_gpus=False)
+    route = world.routes[0]
+    world.routes = {p.rank: world.routes.get(p.rank, route) for p in world.placements}
+
+
+def _regroup(
+    provisioner: Provisioner,
+    config: WorldConfig,
+    world: forming.WorldLayout,
+    survivors: list[RankInfo],
+    stack_dir: str | None,
+    began: float,
+    deadline: float,
+) -> Comeback:
+    """The survivors leave their group, every rank joins a new one, DDP models are wrapped again
+    and every rank loads the newest snapshot the survivors share (a tracked FSDP2 model sharded
+    over another number of ranks is sharded again over the world first, on the rank side)."""
+    client = provisioner.client
+    if survivors:
+        # survivors leave the group they were in (models from prepare_model move with them)
+        client[[info.engine_id for info in survivors]].apply_async(rank_calls.release_group).get(
+            timeout=_remaining(deadline)
+        )
+    new_ranks = forming.join_process_group(client, config, world, stack_dir, deadline)
+    engines = client[[info.engine_id for info in new_ranks.values()]]
+    # models every rank has (made by the setup cells) get fresh DDP reducers, in one order
+    # everywhere, their buckets laid out as the survivors' (the same on each: DDP syncs them)
+    held = engines.apply_async(rank_calls.wrapped_models).get(timeout=_remaining(deadline))
+    common = sorted(set.intersection(*(set(models) for models in held)))
+    by_rank = dict(zip(new_ranks, held))
+    lead = by_rank[survivors[0].rank] if survivors else {}
+    layouts = {name: lead.get(name) for name in common}
+    engines.apply_async(rank_calls.rewrap_models, layouts).get(timeout=_remaining(deadline))
+    resumed = _restore(client, new_ranks, [info.rank for info in survivors], deadline)
+    return Comeback(new_ranks, time.perf_counter() - began, resumed)
+
+
+def _remaining(deadline: float) -> float:
+    return max(1.0, deadline - time.perf_counter())
+
+
+def _wait_for_new_engines(
+    provisioner: Provisioner, known: set[int], slots: list[int], deadline: float
+) -> dict[int, layout.EngineIdentity]:
+    """slot -> who the process started for it is, once each registered."""
+    client = provisioner.client
+    while len(set(client.ids) - known) < len(slots):
+        if time.perf_counter() > deadline:
+            raise DDPError(
+                f"the new process for rank(s) {', '.join(map(str, slots))} did not register within "
+                f"{_start_timeout(provisioner):g} s"
+            )
+        time.sleep(POLL_SECONDS)
+    new_ids = sorted(set(client.ids) - known)
+    described = client[new_ids].apply_async(rank_calls.describe)
+    reports: list[Identity] = described.get(timeout=_remaining(deadline))
+    found = {}
+    for engine_id, report in zip(described.engine_id, reports):
+        if report.slot in slots:
+            found[report.slot] = layout.EngineIdentity(
+                engine_id, report.host, report.pid, slot=report.slot, gpus=report.gpus
+            )
+    if sorted(found) != slots:
+        raise DDPError(f"the new processes did not say they were rank(s) {', '.join(map(str, slots))}")
+    return found
+
+
+def _start_timeout(provisioner: Provisioner) -> float:
+    return provisioner.config.start_timeout
+
+
+def _replay_setup(
+    provisioner: Provisioner,
+    config: WorldConfig,
+    world: forming.WorldLayout,
+    ranks: list[int],
+    setup_cells: list[str],
+    deadline: float,
+) -> None:
+    """Each new rank becomes its rank in a group of its own and runs the setup cells, in order."""
+    client = provisioner.client
+    placements = [p for p in world.placements if p.rank in ranks]
+    pending = [
+        client[p.engine_id].apply_async(rank_calls.begin_replay, forming.rank_spec(config, world, p, 0, None))
+        for p in placements
+    ]
+    for placement, result in zip(placements, pending):
+        _wait(provisioner, placement, result, deadline, "while it got ready for the setup cells")
+    for number, code in enumerate(setup_cells, start=1):
+        for placement in placements:
+            result = client[placement.engine_id].execute(code, silent=True, block=False)
+            _wait(provisioner, placement, result, deadline, f"in setup cell {number} of {len(setup_cells)}")
+
+
+def _wait(provisioner: Provisioner, placement: Any, result: Any, deadline: float, during: str) -> None:
+    """Wait for one call on a new rank, watching that its process is alive."""
+    info = RankInfo(placement.rank, placement.engine_id, placement.host, placement.pid, "", "", None)
+    next_check = 0.0
+    while not result.ready():
+        now = time.perf_counter()
+        if now > deadline:
+            seconds = _start_timeout(provisioner)
+            raise DDPError(f"the new rank {placement.rank} did not answer {during} within {seconds:g} s")
+        if now > next_check:
+            next_check = now + DEATH_CHECK_SECONDS
+            gone = provisioner.dead_ranks([info])
+            if gone:
+                raise DDPError(f"the new rank {placement.rank} {gone[placement.rank]} {during}")
+        time.sleep(POLL_SECONDS)
+    try:
+        result.get(timeout=1)
+    except Exception as failure:  # noqa: BLE001  (any remote failure ends the comeback)
+        raise DDPError(f"the new rank {placement.rank} failed {during}: {one_line(failure)}") from None
+
+
+def _restore(client: Any, ranks: dict[int, RankInfo], survivors: list[int], deadline: float) -> str | None:
+    """Every rank loads the newest snapshot all survivors hold, as the lowest of them sends it."""
+    if not survivors:
+        return None
+    held = client[[ranks[r].engine_id for r in survivors]].apply_async(rank_calls.snapshot_numbers)
+    numbers = [set(found) for found in held.get(timeout=_remaining(deadline))]
+    if not any(numbers):
+        return None  # nothing tracked
+    common = set.intersection(*numbers)
+    if not common:
+        raise DDPError("the surviving ranks hold no snapshot in common (cells ran on some ranks only?)")
+    source = survivors[0]
+    engines = [ranks[r].engine_id for r in sorted(ranks)]
+    where = client[engines].apply_async(rank_calls.restore_snapshot, max(common), source)
+    return str(where.get(timeout=_remaining(deadline))[0])

@@ -1,0 +1,127 @@
+"""The interface every provisioner offers, and what ranks on other hosts share."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+from ...errors import DDPUsageError
+from ...platform import processes
+from ...platform.limits import OomVerdict
+from ...wire.results import Death, RankInfo
+from ..config import WorldConfig
+
+log = logging.getLogger("ddp_notebook")
+
+
+class Provisioner(ABC):
+    """Starts, watches and ends the processes of one world (modelled on torch elastic's agent)."""
+
+    # ranks are started here one by one, each with its environment and GPUs set before it starts
+    starts_ranks_here = False
+    # restart() cannot start processes: it clears the engines' namespaces instead
+    clears_namespaces_on_restart = False
+
+    def __init__(self, config: WorldConfig, private_dir: str) -> None:
+        self.config = config
+        self.private_dir = private_dir
+        self.client: Any = None
+
+    @abstractmethod
+    def start(self) -> Any:
+        """Start the controller and the ranks; return a connected ipyparallel `Client`."""
+
+    def expected_ranks(self) -> int:
+        """How many engines make up the world."""
+        assert self.config.n_ranks is not None
+        return self.config.n_ranks
+
+    def engine_ids(self, wanted: int) -> list[int]:
+        """The engines that become ranks, once `wanted` have registered."""
+        return sorted(self.client.ids)
+
+    def start_failure(self) -> str | None:
+        """Why the start cannot succeed any more (a process exited), or None."""
+        return None
+
+    @abstractmethod
+    def too_few_message(self, registered: int, wanted: int) -> str:
+        """What to say when too few ranks registered in time."""
+
+    def keep_warm(self) -> object:
+        """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""
+        return None
+
+    def add(self, slots: Iterable[int]) -> None:
+        """Start more rank processes for the given slots (ranks), to join the world."""
+        raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")
+
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        """End the processes of `ranks` (a world shrinking); the others keep running."""
+        raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot remove ranks")
+
+    def dead_ranks(self, ranks: Iterable[RankInfo]) -> dict[int, Death]:
+        """Ranks among `ranks` whose process is gone, with how each one ended.
+
+        A rank on this host is checked by its PID; a rank elsewhere is known lost once the
+        controller stops hearing its heartbeat (it then unregisters the engine).
+        """
+        registered = set(self.client.ids) if self.client is not None else set()
+        here = socket.gethostname()
+        dead = {}
+        for info in ranks:
+            if info.host == here and not processes.pid_alive(info.pid):
+                dead[info.rank] = Death("exited", "exited")  # not our child: its exit status is its parent's
+            elif info.engine_id not in registered:
+                dead[info.rank] = Death(
+                    "lost",
+                    f"on {info.host} was lost (it stopped answering the controller: its process, host or network "
+                    "went down)",
+                )
+        return dead
+
+    def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
+        """Send `signum` to `ranks`: directly on this host, through the engine's nanny elsewhere."""
+        here = socket.gethostname()
+        remote = []
+        for info in ranks:
+            if info.host == here and processes.pid_alive(info.pid):
+                try:
+                    os.kill(info.pid, signum)
+                except OSError:
+                    log.debug("signal to rank %s failed", info.rank, exc_info=True)
+            else:
+                remote.append(info.engine_id)
+        if remote and self.client is not None:
+            try:
+                self.client.send_signal(signum, targets=remote, block=False)
+            except Exception:
+                log.debug("signal to engines %s failed", remote, exc_info=True)
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the processes this world started (the only ones it may ever signal)."""
+        return []
+
+    @property
+    def controller_pid(self) -> int | None:
+        """The controller's PID where it runs here; None when it belongs to someone else."""
+        return None
+
+    @abstractmethod
+    def stop(self) -> None:
+        """End every process this world started (or let go of engines it did not start)."""
+
+
+def death_of(exit_code: int | None, oom: OomVerdict | None = None) -> Death:
+    """A rank process's end as a value, from its exit status and the cgroup's out-of-memory verdict."""
+    how = processes.describe_exit(exit_code, oom)
+    if exit_code is None or exit_code >= 0:
+        return Death("exited", how, exit_code)
+    killed_for_memory = exit_code == -signal.SIGKILL and oom is not None and bool(oom.killed)
+    return Death("out_of_memory" if killed_for_memory else "signal", how, exit_code)

@@ -1,0 +1,162 @@
+"""What the two provisioners that start their own controller share: the ipyparallel Cluster,
+its controller, the exit codes of its engine sets, and ending all of it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from ...platform import processes
+from ..ipp_adapter import recorded_exit
+from .base import Provisioner
+
+log = logging.getLogger("ddp_notebook")
+
+# ipyparallel's heartbeat paces engine registration (an engine counts once it answered a beat,
+# seen at the next one): 3 s by default, which dominates start. At 100 ms the controller wakes
+# 10 times a second; a rank answers each beat in a zmq thread, without Python.
+HEARTBEAT_PERIOD_MS = 100
+# how long a busy rank may miss heartbeats before the controller drops it: 10 s
+HEARTBEAT_MISSES = 10_000 // HEARTBEAT_PERIOD_MS
+STOP_SECONDS = 10.0
+ENTRY = "ddp_notebook.rank.entrypoints"
+
+
+class ControlledProvisioner(Provisioner):
+    """A provisioner whose world runs its own controller, in an `ipyparallel.Cluster` here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cluster: Any = None
+
+    def owner_environment(self) -> dict[str, str]:
+        """Tells the processes whose they are: they exit when this kernel dies."""
+        return processes.owner_environment()
+
+    def make_cluster(self, controller_options: dict[str, Any] | None = None, **options: Any) -> Any:
+        """An ipyparallel Cluster with its controller started; `controller_options` go to the controller's launcher."""
+        import ipyparallel as ipp
+
+        self.cluster = ipp.Cluster(
+            n=0,
+            delay=0,
+            # no cluster file: nothing here reconnects to a world from another process
+            cluster_file="",
+            controller_ip=self.config.master_addr,
+            controller_args=[
+                f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                # the schedulers as threads, not 8 processes: a controller forked from the warm
+                # template (torch imported) took 40 ms to fork each; the message queues are
+                # zmq devices either way, running without the GIL
+                "--IPController.use_threads=True",
+                *(["--IPController.enable_curve=True"] if self.config.curve else []),
+            ],
+            # ipyparallel logs every engine's log file when it exits non-zero; our own
+            # messages say what matters, in one line
+            log_level=logging.ERROR,
+            **options,
+        )
+        self.cluster.start_controller_sync(
+            controller_cmd=[sys.executable, "-m", ENTRY, "controller"],
+            environment=self.owner_environment(),
+            **(controller_options or {}),
+        )
+        return self.cluster
+
+    def engine_command(self, python: str) -> list[str]:
+        return [python, "-m", ENTRY, "engine"]
+
+    def exit_of(self, engine_set_id: str, pid: int | None = None) -> tuple[int | None, str] | None:
+        """(exit code or None if unknown, log file) of an engine set whose process exited; None while it runs.
+
+        A locally launched rank has an engine set of its own; other launchers have one for
+        all (mpiexec, one ssh per host, none that stays for a batch job).
+        """
+        import psutil  # ipyparallel depends on it
+
+        engine_set = self.cluster.engines.get(engine_set_id) if self.cluster is not None else None
+        if engine_set is None:
+            return None
+        recorded = recorded_exit(engine_set)
+        if recorded is not None:
+            return recorded, ""
+        launchers = getattr(engine_set, "launchers", None)
+        for launcher in launchers.values() if launchers else [engine_set]:
+            log_file = getattr(launcher, "output_file", "")
+            process = getattr(launcher, "process", None)
+            if process is None:
+                continue
+            try:
+                return process.wait(timeout=0), log_file
+            except psutil.TimeoutExpired:
+                continue  # still running
+            except psutil.Error:  # reaped by the launcher's wait thread in the meantime
+                return None, log_file
+        if pid is not None and not processes.pid_alive(pid):
+            # gone, but its launcher has not recorded how yet: give it a moment to
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                recorded = recorded_exit(engine_set)
+                if recorded is not None:
+                    return recorded, ""
+                time.sleep(0.02)
+            return None, ""
+        return None
+
+    def describe_start_exit(self, who: str, engine_set_id: str) -> str | None:
+        found = self.exit_of(engine_set_id)
+        if found is None:
+            return None
+        code, log_file = found
+        tail = processes.log_tail(log_file)
+        return f"{who} exited while starting ({processes.describe_exit(code)}){': ' + tail if tail else ''}"
+
+    @property
+    def pids(self) -> list[int]:
+        return launched_pids(self.cluster)
+
+    @property
+    def controller_pid(self) -> int | None:
+        return processes.controller_pid(self.cluster)
+
+    def stop(self) -> None:
+        client, cluster = self.client, self.cluster
+        self.client = self.cluster = None
+        pids = launched_pids(cluster)
+        # a controller may fork helpers; a rank may have DataLoader workers
+        family = pids + processes.descendants(pids)
+        if client is not None:
+            try:
+                # ask the ranks to exit cleanly first; stragglers get SIGTERM, then SIGKILL
+                client.shutdown(targets="all", block=False)
+                controller = processes.controller_pid(cluster)
+                processes.wait_gone([pid for pid in pids if pid != controller], 3.0)
+            except Exception:
+                log.debug("asking the ranks to shut down failed", exc_info=True)
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing the client failed", exc_info=True)
+        if cluster is not None:
+            try:
+                processes.run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
+            except Exception:
+                log.debug("stopping the cluster failed", exc_info=True)
+            processes.kill_survivors(family)
+
+
+def launched_pids(cluster: Any) -> list[int]:
+    """PIDs of the controller and engine processes an ipyparallel Cluster launched."""
+    if cluster is None:
+        return []
+    launchers = []
+    if cluster.controller is not None:
+        launchers.append(cluster.controller)
+    for engine_set in cluster.engines.values():
+        # a set of local engines has one launcher per engine; mpiexec is one for all
+        per_engine = getattr(engine_set, "launchers", None)
+        launchers.extend(per_engine.values() if per_engine is not None else [engine_set])
+    return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0]

@@ -1,0 +1,199 @@
+"""Ranks on this machine, one process each, every one started with its own environment."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ...errors import StartError
+from ...platform import devices, limits, network, processes
+from ...platform.processes import SLOT_ENV
+from ...wire.results import Death, RankInfo
+from .. import layout, spare, template
+from ..config import WorldConfig
+from .base import death_of
+from .controlled import STOP_SECONDS, ControlledProvisioner, launched_pids
+
+log = logging.getLogger("ddp_notebook")
+# how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
+EXIT_REPORT_SECONDS = 2.0
+
+
+def engine_set_id(slot: int) -> str:
+    return f"rank{slot}"
+
+
+class LocalProvisioner(ControlledProvisioner):
+    """One ipyparallel engine set per rank, so that each rank gets an environment of its own
+    (threads, GPUs, the slot it was started for) before it imports anything."""
+
+    starts_ranks_here = True
+
+    def __init__(self, config: WorldConfig, private_dir: str, warm: template.TemplateClient | None = None) -> None:
+        super().__init__(config, private_dir)
+        # ranks are forked from a warm template (torch imported once) unless that is off or unsafe
+        self.cold_reason = "warm start is off" if not config.warm_start else template.can_fork_ranks(config.env)
+        if warm is None and self.cold_reason is None:
+            warm = spare.take_spare(config.env)  # started at %load_ext, with torch imported by now
+        self.template = warm if self.cold_reason is None and warm is not None and warm.running else None
+        if warm is not None and self.template is None:
+            warm.stop()
+        # the out-of-memory kills counted so far where the ranks will run (they inherit this
+        # process's cgroup): a rank found killed later is named for what killed it
+        self.platform = limits.Platform()
+        self.oom_before: limits.OomCounts | None = None
+
+    def start(self) -> Any:
+        self.oom_before = self.platform.oom_counts()
+        options: dict[str, Any] = {}
+        controller_options: dict[str, Any] = {}
+        if self.cold_reason is None:
+            from .fork import ForkControllerLauncher, ForkEngineSetLauncher
+
+            if self.template is None:
+                # its imports run while the controller starts
+                self.template = template.TemplateClient(sys.executable, self.owner_environment())
+                self.template.start()
+            elif self.template.try_connect():
+                # a template that is ready (kept from a restart, or started at %load_ext) forks the
+                # controller too: no interpreter to start and nothing to import
+                options["controller"] = ForkControllerLauncher
+                controller_options["template"] = self.template
+            options["engines"] = ForkEngineSetLauncher
+        self.make_cluster(
+            controller_options,
+            # start the ranks together with the controller, not after it: their imports (or the
+            # template's) overlap the controller's start-up; they wait for its connection file
+            # in the (user-private) profile security directory
+            send_engines_connection_env=False,
+            **options,
+        )
+        if self.template is not None:
+            try:
+                self.template.wait_ready(time.monotonic() + self.config.start_timeout)
+            except TimeoutError:
+                raise StartError(self.too_few_message(0, self.expected_ranks())) from None
+            except RuntimeError as failure:
+                raise StartError(str(failure)) from None
+        self.add(range(self.expected_ranks()))
+        self.client = self.cluster.connect_client_sync()
+        return self.client
+
+    def keep_warm(self) -> template.TemplateClient | None:
+        """Hand the template over to the next world (a restart), so it is not stopped with this one."""
+        warm, self.template = self.template, None
+        return warm
+
+    def add(self, slots: Iterable[int]) -> None:
+        forked = {"template": self.template} if self.template is not None else {}
+        for slot in slots:
+            self.cluster.start_engines_sync(
+                n=1,
+                engine_set_id=engine_set_id(slot),
+                environment=self.rank_environment(slot),
+                engine_cmd=self.engine_command(sys.executable),
+                engine_args=[
+                    f"--IPEngine.wait_for_url_file={self.config.start_timeout:g}",
+                    # the nanny is one more Python process per rank, only needed to signal
+                    # engines through the controller; we signal the PIDs we started
+                    "--IPEngine.enable_nanny=False",
+                ],
+                delay=0,
+                **forked,
+            )
+
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        infos = list(ranks)
+        for info in infos:
+            engine_set = engine_set_id(info.rank)
+            if self.cluster is not None and engine_set in self.cluster.engines:
+                processes.run_with_timeout(functools.partial(self.cluster.stop_engines_sync, engine_set), STOP_SECONDS)
+        processes.kill_survivors([info.pid for info in infos])
+
+    def rank_environment(self, slot: int) -> dict[str, str]:
+        """The environment rank `slot` starts with (the torchrun contract comes when it joins)."""
+        cfg = self.config
+        environment = {
+            **cfg.env,
+            **self.owner_environment(),
+            SLOT_ENV: str(slot),
+            "OMP_NUM_THREADS": str(cfg.threads_per_rank),
+            "PYTHONUNBUFFERED": "1",
+        }
+        visible = layout.gpu_visibility(cfg.gpus, bool(devices.visible_gpus()))
+        if visible is not None:
+            environment["CUDA_VISIBLE_DEVICES"] = visible
+            if cfg.gpus and "CUDA_DEVICE_ORDER" not in os.environ:
+                # --gpus numbers GPUs as nvidia-smi does (PCI order); CUDA's default order puts the
+                # fastest first, which differs on machines with mixed GPU models
+                environment.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        # gloo and NCCL pick their interface from the hostname unless told: pin them to the
+        # interface of the address the world listens on
+        interface = network.interface_of(cfg.master_addr)
+        if interface:
+            environment["GLOO_SOCKET_IFNAME"] = environment["NCCL_SOCKET_IFNAME"] = interface
+        return environment
+
+    @property
+    def pids(self) -> list[int]:
+        warm = [self.template.pid] if self.template is not None and self.template.pid else []
+        return launched_pids(self.cluster) + warm
+
+    def stop(self) -> None:
+        super().stop()  # the ranks first, cleanly; then the template they were forked from
+        if self.template is not None:
+            self.template.stop()
+            self.template = None
+
+    def exit_of(self, engine_set_id: str, pid: int | None = None) -> tuple[int | None, str] | None:
+        if self.template is not None:  # the ranks' parent knows how each one ended
+            engine_set = self.cluster.engines.get(engine_set_id) if self.cluster is not None else None
+            launchers = getattr(engine_set, "launchers", None) or {}
+            # a rank found gone: the template reaps it and says how within a moment (longer when memory is short)
+            wait = EXIT_REPORT_SECONDS if pid is not None and not processes.pid_alive(pid) else 0.0
+            for candidate in [pid] if pid is not None else [launcher.pid for launcher in launchers.values()]:
+                code = self.template.exit_code(candidate, wait)
+                if code is not None:
+                    launcher_logs = [getattr(launcher, "output_file", "") for launcher in launchers.values()]
+                    return code, launcher_logs[0] if launcher_logs else ""
+        return super().exit_of(engine_set_id, pid)
+
+    def start_failure(self) -> str | None:
+        for slot in range(self.expected_ranks()):
+            failure = self.describe_start_exit(f"rank {slot}", engine_set_id(slot))
+            if failure is not None:
+                return failure
+        return None
+
+    def too_few_message(self, registered: int, wanted: int) -> str:
+        return (
+            f"only {registered} of {wanted} ranks registered within {self.config.start_timeout:g} s; "
+            "raise start_timeout on a slow machine"
+        )
+
+    def dead_ranks(self, ranks: Iterable[RankInfo]) -> dict[int, Death]:
+        dead = {}
+        for info in ranks:
+            found = self.exit_of(engine_set_id(info.rank), info.pid)
+            if found is not None:
+                before = self.oom_before
+                oom = self.platform.oom_since(before) if before is not None and found[0] == -signal.SIGKILL else None
+                dead[info.rank] = death_of(found[0], oom)
+        return dead
+
+    def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
+        if self.cluster is None:
+            return
+        for info in ranks:
+            engine_set = self.cluster.engines.get(engine_set_id(info.rank))
+            if engine_set is not None:
+                try:
+                    engine_set.signal(signum)
+                except Exception:
+                    log.debug("signal to rank %s failed", info.rank, exc_info=True)

@@ -1,0 +1,134 @@
+"""Plain-text views of a world: the start summary, the status table, per-rank values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..cell.output import tag_value
+from ..platform.limits import format_bytes
+from ..wire.results import CellResult, MemoryReading, RankInfo, RankStatus
+from .config import is_loopback
+from .state import WorldState
+
+if TYPE_CHECKING:
+    from .cluster import DDPCluster  # the reports read a world; the world never imports them
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A left-aligned text table with one space-padded column per header."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str:
+    """The lines %ddp_start prints: what started, where, how fast, and what to watch out for."""
+    ranks = world.ranks
+    spread = len({r.host for r in ranks}) > 1
+    rows = [
+        (
+            r.rank,
+            *((r.local_rank,) if spread else ()),
+            r.host,
+            r.pid,
+            r.device if r.device_name in ("cpu", r.device) else f"{r.device} ({r.device_name})",
+            world.backend,
+        )
+        for r in ranks
+    ]
+    seconds = world.start_seconds or 0.0
+    size = f"{world.world_size} rank{'s' if world.world_size != 1 else ''}"
+    attach = world.config.launch.attach
+    if attach is not None:
+        heading = (
+            f"DDP world ready: {size}, {world.backend}, attached to {attach.describe()} in {seconds:.1f} s "
+            "(%ddp_stop leaves its engines running)"
+        )
+    else:
+        heading = (
+            f"DDP world ready: {size}, {world.backend}, {world.config.threads_per_rank} thread(s) per rank, "
+            f"started in {seconds:.1f} s"
+        )
+    notes = []
+    if spread:
+        notes.append(f"hosts: {describe_layout(ranks)}")
+    if world.config.curve:
+        notes.append("ipyparallel traffic is encrypted (CurveZMQ)")
+    if world.config.check_collectives:
+        notes.append("strict mode: every collective of the default group is checked (op, shapes) before it runs")
+    notes.extend(f"warning: {warning}" for warning in warnings)
+    if not warnings and not is_loopback(world.config.master_addr):
+        notes.append(
+            f"listening on {world.config.master_addr}: torch.distributed's rendezvous and gloo/NCCL "
+            "traffic are not encrypted; use this only on a network you trust"
+        )
+    headers = ("rank", *(("local rank",) if spread else ()), "host", "pid", "device", "backend")
+    return "\n".join([heading, *notes, table(headers, rows)])
+
+
+def describe_layout(ranks: Sequence[RankInfo]) -> str:
+    """'node-a: ranks 0-1, node-b: ranks 2-3'."""
+    by_host: dict[str, list[int]] = {}
+    for info in ranks:
+        by_host.setdefault(info.host, []).append(info.rank)
+    parts = []
+    for host, numbers in by_host.items():
+        span = f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]}-{numbers[-1]}"
+        parts.append(f"{host}: {span}")
+    return ", ".join(parts)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} MiB"
+
+
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
+
+
+def _gpu_mb(status: RankStatus) -> str:
+    if status.gpu_memory_mb is None or not status.gpu_memory_total_mb:
+        return _mb(status.gpu_memory_mb)
+    return f"{_mb(status.gpu_memory_mb)} of {format_bytes(status.gpu_memory_total_mb * 2**20)}"
+
+
+def format_memory(reading: MemoryReading) -> str:
+    """'memory: 1.2 GiB in use of the cgroup memory limit of 1.5 GiB (80%), the ranks 540 MiB of it'."""
+    ranks = sum(reading.rank_bytes.values())
+    return (
+        f"memory: {format_bytes(reading.used)} in use of {reading.limit_text} ({reading.fraction:.0%}), "
+        f"the ranks here {format_bytes(ranks)} of it"
+    )
+
+
+def format_status(world: DDPCluster, rows: Sequence[RankStatus], memory: MemoryReading | None = None) -> str:
+    """The %ddp_status table: each rank's state, where it runs, its memory and its share of the limit."""
+    body = table(
+        ("rank", "state", "host", "pid", "device", "memory", "of limit", "gpu memory"),
+        [
+            (s.rank, s.state, s.host, s.pid, s.device, _mb(s.memory_mb), _share(s.memory_fraction), _gpu_mb(s))
+            for s in rows
+        ],
+    )
+    lines = [f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}"]
+    if memory is not None:
+        lines.append(format_memory(memory))
+    return "\n".join([*lines, body])
+
+
+def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
+    """The world's state, with what to do about it where something is wrong."""
+    gone = [s.rank for s in rows if s.state == "gone"]
+    if world.state is WorldState.BROKEN or gone:
+        dead = sorted(set(world.broken) | set(gone))
+        return f"broken (rank {', '.join(map(str, dead))} gone): %ddp_restart"
+    if world.state is WorldState.NEEDS_HEALING:
+        return "needs healing (a cell broke the process group): the next cell sets it up again"
+    return str(world.state)
+
+
+def format_values(result: CellResult) -> str:
+    """Each rank's last-expression value, like a kernel's Out[], tagged by rank."""
+    values = ((rank, result.value_text(rank)) for rank in result.ranks)
+    return "\n".join(tag_value(rank, text) for rank, text in values if text is not None)
