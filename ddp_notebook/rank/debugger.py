@@ -1,7 +1,7 @@
 """Runs on ranks: a pdb session on one rank, driven from the notebook.
 
 A rank's kernel has no stdin of its own, so its pdb reads commands from a queue and writes into
-a buffer; the rank's X-ray thread (`xray_rank`) passes lines in and output out, and the
+a buffer; the rank's X-ray thread (`rank/xray.py`) passes lines in and output out, and the
 notebook kernel asks the user for each line with `input()`, as a Jupyter kernel does for any
 prompt. The rank's main thread waits on the queue with the GIL released, so the X-ray keeps
 answering.

@@ -1,4 +1,4 @@
-"""What runs in the warm template process local ranks are forked from (see `template.py`).
+"""What runs in the warm template process local ranks are forked from (see `world/template.py`).
 
 It imports what a rank needs once, then serves fork requests on a private Unix socket (JSON
 lines), reaps its children and reports how each one ended, and exits when its kernel dies,

@@ -3,8 +3,8 @@
 A rank blocked in a gloo collective runs nothing ipyparallel sends it, but gloo waits with the
 GIL released, so a thread of ours still runs. On the notebook's host it serves a Unix socket in
 the world's private directory (only the user can reach it); on another host, a TCP port on the
-rank's address toward the notebook, every line signed with the world's key (`xray_wire`). It
-answers these requests, one JSON line each:
+rank's address toward the notebook, every line signed with the world's key (`wire/xray.py`). It
+answers these requests, one JSON line each, in the shapes of `wire/xray_messages.py`:
 
 - `report`: torch's flight recorder entries of the default group (op, sequence number, shapes,
   retired or not), the main thread's current cell line, and whether it is in a cell at all;

@@ -4,7 +4,7 @@ world (`resize`) is the same steps with ranks added or ended.
 
 Notebook side (no torch). `DDPCluster` calls `bring_back` when a cell found a rank's process
 gone, and `resize` for `DDPCluster.resize`, each on its `RunningWorld` (whose layout they change
-in place; the caller takes the new rank map); the rank side of both is `elastic.py`.
+in place; the caller takes the new rank map); the rank side of both is `rank/elastic.py`.
 """
 
 from __future__ import annotations
