@@ -56,7 +56,7 @@ class Ranks:
             child.output.metadata.update(status="error", error=_Remote("RuntimeError", error))
         else:
             child.output.metadata["status"] = "ok"
-        self.relay._queue.put(("idle", rank))
+        self.relay._went_idle(rank)
         if self.cell.ready():
             self.relay._queue.put(("replied",))
 

@@ -200,7 +200,8 @@ class CellRelay:
         self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._async_result: Any = None
         self._futures: list[Any] = []  # the cell's message future on each rank, in `ranks` order
-        self._idle: set[int] = set()
+        self._idle: set[int] = set()  # ranks gone idle, as the waiting thread was told
+        self._idle_seen: set[int] = set()  # the same, on the IO thread (which alone touches it)
         self.dead: dict[int, Death] = {}
         self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
@@ -224,10 +225,19 @@ class CellRelay:
                 future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
                 # the output future resolves on the rank's 'idle' status, after all its output;
                 # ipyparallel may drop the message future before that status reaches callbacks
-                future.output.add_done_callback(lambda _, rank=rank: self._queue.put(("idle", rank)))
+                future.output.add_done_callback(lambda _, rank=rank: self._went_idle(rank))
 
         on_io_thread(self._client, register)
         async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
+
+    def _went_idle(self, rank: int) -> None:
+        """On the IO thread: `rank` is idle, all its output sent. The waiting thread is woken once,
+        when the last rank is (a wake-up per rank cost the trivial cell a tenth of a millisecond),
+        or at each one while a rank is dead (the survivors' idles end the cell then). Queued
+        after every message of theirs, as each rank's own idle would be."""
+        self._idle_seen.add(rank)
+        if len(self._idle_seen) == len(self._ranks) or self.dead:
+            self._queue.put(("idle", tuple(self._idle_seen)))
 
     def _catch_up(self, rank: int, future: Any) -> None:
         metadata = future.output.metadata
@@ -434,7 +444,7 @@ class CellRelay:
             if payload:
                 sink.data(rank, payload)
         elif kind == "idle":
-            self._idle.add(item[1])
+            self._idle.update(item[1])
         return kind == "replied"
 
     def _survivors_done(self) -> bool:
