@@ -166,6 +166,7 @@ def test_every_module_is_in_a_side_folder() -> None:
 
 def test_the_rank_side_never_imports_the_kernel_side() -> None:
     graph = import_graph()
+    assert sum(side_of(name) == "rank" for name in graph) > 10, "the rank side, in its folder"
     crossing = [
         f"{name} -> {edge}"
         for name in sorted(graph)
@@ -347,7 +348,9 @@ def test_a_ranks_state_is_one_typed_object() -> None:
     """Everything a rank process keeps between cells is a field of `rank.state.RANK` (one typed
     object), not a dict of some module's that only a string key names."""
     offenders = []
-    for path in sorted((PACKAGE / "rank").glob("*.py")):
+    paths = sorted((PACKAGE / "rank").glob("*.py"))
+    assert len(paths) > 10 and (PACKAGE / "rank" / "state.py").exists(), "the rank side and its state object"
+    for path in paths:
         if path.name != "state.py":
             offenders += [f"rank/{path.name}: {name}" for name in module_level_state(ast.parse(path.read_text()))]
     assert offenders == []
