@@ -7,6 +7,7 @@ Python and handed over with `world.activate()`.
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
 import warnings
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cell import xray
 from .cell.output import tag_text
@@ -34,6 +35,25 @@ _OPTION_KEYWORDS = {"time": "time_limit", "config": "settings"}
 def _build_options(args: Any, *leave_out: str) -> dict[str, Any]:
     """The parsed options as `WorldConfig.build` keywords (every option of the magic is one)."""
     return {_OPTION_KEYWORDS.get(name, name): value for name, value in vars(args).items() if name not in leave_out}
+
+
+def parse_line(magic: Callable[..., Any], line: str) -> Any:
+    """A magic's line parsed as a shell would split it: quotes group and are removed, so
+    `--ssh-args "-i KEY -o X=no"` and `--ssh-args="-i KEY -o X=no"` both give `-i KEY -o X=no`.
+    (IPython's own splitting keeps the quotes, and ssh then got one argument.)"""
+    try:
+        words = shlex.split(line)
+    except ValueError as problem:  # an unbalanced quote
+        raise DDPUsageError(f"cannot read this line ({problem}): close every quote you open") from None
+    return magic.parser.parse_args(words)  # type: ignore[attr-defined]  (a mistake: one UsageError line)
+
+
+def start_config(line: str) -> tuple[WorldConfig, bool]:
+    """What `%ddp_start LINE` starts, checked (nothing is started), and whether it asked for --restart."""
+    args = parse_line(DDPMagics.ddp_start, line)
+    n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
+    _check_backend(args.backend)
+    return WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")), bool(args.restart)
 
 
 def _world_options(method: F) -> F:
@@ -160,11 +180,8 @@ class DDPMagics(Magics):
         `--launcher mpi|slurm|ssh|...` starts the ranks through ipyparallel's launcher of that
         name, with the settings of `--profile` and the options given here.
         """
-        args = parse_argstring(self.ddp_start, line)
-        n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
-        _check_backend(args.backend)
-        world = DDPCluster(WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")))
-        self._start(world, args.restart)
+        settings, restart = start_config(line)
+        self._start(DDPCluster(settings), restart)
 
     @magic_arguments()
     @argument(
@@ -185,7 +202,7 @@ class DDPMagics(Magics):
         `%ddp_attach path/to/ipcontroller-client.json`. `%ddp_stop` lets go of the engines
         and leaves them running.
         """
-        args = parse_argstring(self.ddp_attach, line)
+        args = parse_line(self.ddp_attach, line)
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         _check_backend(args.backend)
         options = _build_options(args, "url_file", "profile", "cluster_id", "n", "restart")
@@ -245,7 +262,7 @@ class DDPMagics(Magics):
 
         `ddp_notebook.progress(...)` and `ddp_notebook.log(...)` in the cell show up live under it.
         """
-        args = parse_argstring(self.ddp, line)
+        args = parse_line(self.ddp, line)
         world = self._running_world()
         feed = self.recorder.feed(_make_view, append=args.append)
         result = _execute_live(
@@ -349,7 +366,7 @@ class DDPMagics(Magics):
     @_usage_errors
     def ddp_export(self, line: str) -> None:
         """Write the %%ddp cells run so far as one script for torchrun (failed cells left out)."""
-        args = parse_argstring(self.ddp_export, line)
+        args = parse_line(self.ddp_export, line)
         if self.world is None:
             raise DDPUsageError("no DDP world: start one with %ddp_start N and run %%ddp cells first")
         if args.list or args.path is None:

@@ -18,6 +18,7 @@ from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.platform import processes
 from tests.conftest import pid_alive, wait_gone
+from tests.test_kernel import Kernel, kernel_world_pids
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,31 @@ def test_mpi_launcher_world_follows_mpi_ranks(no_leaks: None) -> None:
         rank_pids = [info.pid for info in world.ranks]
         assert set(rank_pids) <= set(world.all_pids)
     assert wait_gone(rank_pids) == []
+
+
+@needs_mpi
+def test_mpi_args_typed_in_a_kernel_reach_mpiexec_word_by_word() -> None:
+    """In a real kernel, as a user types it: `--mpi-args "..."` of several words, `-x NAME=value`
+    among them (mpiexec exports it to every rank). IPython's own splitting kept the quotes, and
+    mpiexec got one word it did not know."""
+    kernel = Kernel()
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook")
+        assert error is None, out
+        out, error = kernel.run(
+            "%ddp_start 2 --launcher mpi --backend gloo --timeout 60 "
+            '--mpi-args "--allow-run-as-root --oversubscribe -x DDP_NOTEBOOK_TYPED=word-by-word"',
+            timeout=180,
+        )
+        assert error is None and "DDP world ready: 2 ranks" in out, out
+        pids = kernel_world_pids(kernel)
+        out, error = kernel.run("%%ddp\nimport os\nprint(os.environ.get('DDP_NOTEBOOK_TYPED'))")
+        assert error is None and {"[rank 0] word-by-word", "[rank 1] word-by-word"} <= set(out.splitlines()), out
+        out, error = kernel.run("%ddp_stop")
+        assert error is None and "stopped the world of 2 ranks" in out, out
+        assert wait_gone(pids) == []
+    finally:
+        kernel.close()
 
 
 @needs_mpi

@@ -59,6 +59,7 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --gpus 98,99 --backend gloo", "visible"),
         # --force reaches the checks: past the fit, the next one speaks
         ("%ddp_start 100 --backend gloo --force --timeout 0", "timeout must be a number of seconds"),
+        ('%ddp_start --launcher ssh --hosts a:1 --ssh-args "-i KEY', "close every quote you open"),
     ],
 )
 def test_misuse_is_one_clear_line_and_starts_nothing(
@@ -174,9 +175,7 @@ def test_unload_stops_the_world(shell: object) -> None:
     ip.run_line_magic("load_ext", "ddp_notebook")  # leave the shared shell as the module fixture expects
 
 
-def test_a_world_built_in_python_is_driven_by_the_magics(
-    shell: object, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_world_built_in_python_is_driven_by_the_magics(shell: object, capsys: pytest.CaptureFixture[str]) -> None:
     from ddp_notebook import DDPCluster, WorldConfig
 
     magics = shell.magics_manager.registry["DDPMagics"]  # type: ignore[attr-defined]
@@ -203,3 +202,44 @@ def test_a_world_built_in_python_is_driven_by_the_magics(
         world.stop()
         run(shell, "%ddp_stop")
     assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "launcher", "expected"),
+    [
+        # quoted, as a shell reads it: ssh gets each word, not one argument with the quotes
+        (
+            '--launcher ssh --hosts a:1,b:1 --ssh-args "-i KEY -o StrictHostKeyChecking=no"',
+            "SSHLauncher",
+            {"ssh_args": ["-i", "KEY", "-o", "StrictHostKeyChecking=no"]},
+        ),
+        (
+            '--launcher ssh --hosts a:1 --ssh-args="-F ~/.ssh/cluster_config"',
+            "SSHLauncher",
+            {"ssh_args": ["-F", "~/.ssh/cluster_config"]},
+        ),
+        ("--launcher ssh --hosts a:1 --ssh-args '-p 2222'", "SSHLauncher", {"ssh_args": ["-p", "2222"]}),
+        (
+            '2 --launcher mpi --mpi-args "--hostfile hosts -x A=b"',
+            "MPIEngineSetLauncher",
+            {"mpi_args": ["--hostfile", "hosts", "-x", "A=b"]},
+        ),
+        ("2 --launcher mpi --mpi-args=--oversubscribe", "MPIEngineSetLauncher", {"mpi_args": ["--oversubscribe"]}),
+        (
+            "2 --launcher slurm --config SlurmEngineSetLauncher.qos=high "
+            '--config "SlurmEngineSetLauncher.batch_template_file=/my jobs/t.sh"',
+            "SlurmEngineSetLauncher",
+            {"qos": "high", "batch_template_file": "/my jobs/t.sh"},
+        ),
+    ],
+)
+def test_options_with_arguments_reach_the_launcher_as_typed(
+    line: str, launcher: str, expected: dict[str, object]
+) -> None:
+    """What %ddp_start would start from this line (checked, nothing started): the same words as
+    DDPCluster(..., ssh_args=[...]) gives."""
+    from ddp_notebook.magics import start_config
+
+    settings, restart = start_config(line)
+    assert not restart
+    assert {trait: settings.launch.settings[launcher][trait] for trait in expected} == expected
