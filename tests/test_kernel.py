@@ -191,13 +191,25 @@ def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(ker
     assert wait_gone(sorted(set(old) | set(new))) == []
 
 
-def test_ranks_exit_when_the_kernel_is_killed(kernel: Kernel) -> None:
+WORKERS_UP = (
+    "%%ddp\nfrom torch.utils.data import DataLoader\n"
+    "loader = DataLoader(list(range(10_000)), batch_size=1, num_workers=2, persistent_workers=True)\n"
+    "batches = iter(loader); next(batches)"
+)
+
+
+def test_ranks_and_their_dataloader_workers_exit_when_the_kernel_is_killed(kernel: Kernel) -> None:
     out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
     assert error is None, out
     pids = kernel_world_pids(kernel)
+    out, error = kernel.run(WORKERS_UP)  # each rank's own children, which a rank's exit does not end
+    assert error is None, out
     kernel_pid = kernel.manager.provisioner.process.pid
-    assert owned_pids(kernel_pid) >= set(pids)
+    family = owned_pids(kernel_pid)
+    assert family >= set(pids) and len(family) >= len(pids) + 4, "two DataLoader workers per rank"
     os.kill(kernel_pid, signal.SIGKILL)
+    # within seconds, the workers included (their own watchdog would take 5 s after their rank)
+    assert wait_gone(sorted(family), seconds=3) == []
     leftover = wait_gone(sorted(set(pids) | owned_pids(kernel_pid)), seconds=30)
     for pid in leftover:  # fail loudly, but never leave them to the next test
         os.kill(pid, signal.SIGKILL)

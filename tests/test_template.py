@@ -54,6 +54,24 @@ def test_a_killed_forked_rank_is_named_with_how_it_ended(no_leaks: None) -> None
     assert wait_gone(pids) == []
 
 
+def test_a_dead_ranks_own_children_go_with_it(no_leaks: None) -> None:
+    """A rank killed while its DataLoader's workers run: the template, its parent, ends what the
+    rank started with it (its process group), instead of leaving them to torch's 5 s watchdog."""
+    with DDPCluster(2, backend="gloo", max_restarts=0) as world:
+        world.execute(
+            "from torch.utils.data import DataLoader\n"
+            "loader = DataLoader(list(range(10_000)), batch_size=1, num_workers=2, persistent_workers=True)\n"
+            "batches = iter(loader); next(batches)"
+        )
+        victim = world.ranks[1].pid
+        workers = [child.pid for child in psutil.Process(victim).children(recursive=True)]
+        assert len(workers) == 2
+        os.kill(victim, signal.SIGKILL)
+        assert wait_gone(workers, seconds=3) == []
+        assert pid_alive(world.ranks[0].pid)  # the other rank and its workers are not touched
+        assert len(psutil.Process(world.ranks[0].pid).children(recursive=True)) == 2
+
+
 def test_restart_reuses_the_template(no_leaks: None) -> None:
     with DDPCluster(2, backend="gloo") as world:
         warm = _template_of(world)

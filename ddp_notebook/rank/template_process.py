@@ -82,7 +82,7 @@ class _Template:
         except _Stop:
             pass
         for pid in self.children:
-            _kill(pid)
+            _kill_group(pid)
         os._exit(0)
 
     def _owner_alive(self) -> bool:
@@ -137,6 +137,9 @@ class _Template:
                 return
             self.children.discard(pid)
             code = self.exits[pid] = os.waitstatus_to_exitcode(status)
+            # what it started (DataLoader workers, subprocesses) goes with it, now: left alone, torch's
+            # workers notice a dead parent only at their watchdog's next look, 5 s later
+            _kill_group(pid)
             for connection in list(self.connections):
                 self._tell(connection, {"exited": pid, "code": code})
 
@@ -182,11 +185,14 @@ class _Stop(Exception):
     pass
 
 
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_group(pid: int) -> None:
+    """SIGKILL a child and every process of its group: each child leads a session of its own
+    (`_fork`), and what it starts stays in its group unless it moves out by itself."""
+    for kill in (os.killpg, os.kill):  # the group; the child alone if its group is gone
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            continue
 
 
 def _name_process(name: str) -> None:
