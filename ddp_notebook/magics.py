@@ -166,6 +166,13 @@ class DDPMagics(Magics):
         default=config.DEFAULT_MAX_RESTARTS,
         help="dead ranks the world replaces by itself, back at the last snapshot (default: %(default)s; 0: never)",
     )
+    @argument(
+        "--on-loss",
+        default="auto",
+        choices=config.ON_LOSS_CHOICES,
+        help="when ranks are lost: replace them, shrink to the survivors, or stop; "
+        "auto (default): replace local ranks, shrink elsewhere",
+    )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")
     @argument(
         "--check-collectives",

@@ -347,6 +347,57 @@ def test_a_world_resized_and_back_keeps_training_as_one_process_would(
     assert wait_gone(pids) == []
 
 
+# (world size, the rank lost mid-epoch): rank 0 (the rendezvous moves), the middle, the last
+SHRINKS = [
+    pytest.param(2, 1, id="2ranks-last"),
+    pytest.param(3, 0, id="3ranks-first"),
+    pytest.param(4, 2, id="4ranks-middle"),
+]
+
+
+@pytest.mark.parametrize(("size", "victim"), SHRINKS)
+def test_a_world_that_shrinks_around_a_lost_rank_trains_on_as_one_process_would(
+    no_leaks: None, size: int, victim: int
+) -> None:
+    """on_loss='shrink' (what launcher worlds do by default): no new process; the survivors go on
+    at one rank fewer, renumbered, from the snapshot, and the loader deals the rest of the epoch
+    over them."""
+    kill_at = _steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
+    with DDPCluster(size, backend="gloo", timeout=60, on_loss="shrink") as world:
+        world.execute(_build("", DDP, 0.0) + TRACK, setup=True)
+        world.execute("untracked = rank * 10")
+        survivors = [info.pid for info in world.ranks if info.rank != victim]
+        with pytest.raises(RankDiedError) as caught:
+            _train(world, "", kill_rank=victim, kill_at=kill_at)
+        message = str(caught.value)
+        assert message.startswith(f"rank {victim} was killed by SIGKILL. The world went on without rank {victim} in ")
+        assert f"{size - 1} rank(s) now (was {size})" in message
+        assert "the snapshot taken at epoch 1, batch 3" in message
+        now = size - 1
+        assert world.state == "healthy" and world.world_size == now and world.config.n_ranks == now
+        assert [info.pid for info in world.ranks] == survivors  # the same processes, renumbered in order
+        assert world.pull("world_size") == _everyone(world, now)
+        assert world.pull("rank") == {r: r for r in range(now)}
+        # their other variables are kept (made under their old numbers)
+        old_numbers = [rank for rank in range(size) if rank != victim]
+        assert world.pull("untracked") == {new: old * 10 for new, old in enumerate(old_numbers)}
+        assert world.pull("step") == _everyone(world, kill_at)
+
+        _train(world, "")  # the rest of epoch 1 over the survivors, then the last epochs
+        seen = world.pull("seen")
+        assert all(seen[rank] == seen[0] for rank in range(now))
+        first = _steps_per_epoch(size)
+        assert sorted({i for step in seen[0][:first] for i in step}) == list(range(SAMPLES))  # epoch 0, all ranks
+        assert sorted({i for step in seen[0][first:] for i in step}) == list(range(SAMPLES))  # and after the loss
+        params = _params(world, "")
+        assert all(_bitwise_equal(params[rank], params[0]) for rank in range(now))
+        # momentum and position carried through the shrink: as one process on the same samples
+        for got, expected in zip(params[0], _trained_in_one_process(seen[0])):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
 def test_a_setup_cell_runs_on_every_rank(world: DDPCluster) -> None:
     with pytest.raises(Exception, match="a setup cell runs on every rank"):
         world.execute("x = 1", ranks=[0], setup=True)

@@ -343,6 +343,12 @@ class DDPCluster:
         if timeout is not None:
             config.check_seconds("cell timeout", timeout)
         began = time.perf_counter()
+        lost = self._lost_before_sending(world, targets)
+        if lost:
+            # the controller dropped a rank (its host or process went) since the last cell: say so,
+            # and go on as after a loss in a cell, instead of ipyparallel's KeyError for its engine
+            came_back, why_not = self._replace_dead(world, lost, ())
+            return CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not)
         relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
         view = world.view(tuple(world.engines(targets)))
@@ -396,6 +402,15 @@ class DDPCluster:
             self._snapshot_everywhere(world)
         return outcome
 
+    def _lost_before_sending(self, world: RunningWorld, targets: tuple[int, ...]) -> dict[int, Death]:
+        """Ranks of `targets` whose engine the controller no longer knows, with how they ended."""
+        registered = set(world.client.ids)
+        gone = tuple(rank for rank in targets if world.ranks[rank].engine_id not in registered)
+        if not gone:
+            return {}
+        found = world.supervisor.find_dead(gone)
+        return {rank: found.get(rank) or Death("lost", "was lost (the controller dropped it)") for rank in gone}
+
     def _snapshot_everywhere(self, world: RunningWorld) -> None:
         """The end-of-cell snapshot of a world that tracks a sharded model: it gathers the model's
         state, so every rank takes it at once, and only after a cell that succeeded on every rank
@@ -411,27 +426,54 @@ class DDPCluster:
     def _replace_dead(
         self, world: RunningWorld, dead: dict[int, Death], unfinished: tuple[int, ...]
     ) -> tuple[str, str]:
-        """New processes for dead ranks, brought to the last snapshot (`comeback`); past
-        `config.max_restarts`, or where that fails, the world is broken as before.
+        """Go on after a loss, as `config.on_loss` says: new processes for the lost ranks, or the
+        survivors on their own (`comeback`), every rank at the last snapshot; past
+        `config.max_restarts`, with `on_loss='stop'`, or where that fails, the world is broken.
 
         Returns (what the comeback did, why there was none)."""
+        policy = self._loss_policy(world)
+        if policy == "stop":
+            self._lifecycle.ranks_died(dead)
+            return "", "this world stops at a loss (on_loss='stop')"
         left = self.config.max_restarts - self.restarts
         if left < len(dead):
             self._lifecycle.ranks_died(dead)
             most = self.config.max_restarts
-            return "", f"this world replaced {self.restarts} dead rank(s) already (max_restarts={most})"
+            return "", f"this world went on after {self.restarts} lost rank(s) already (max_restarts={most})"
+        if policy == "replace" and not world.provisioner.starts_ranks:
+            self._lifecycle.ranks_died(dead)
+            launcher = self.config.launch.launcher
+            return "", f"a world started with --launcher {launcher} cannot start ranks (--on-loss shrink goes on)"
         self.restarts += len(dead)
         running = tuple(rank for rank in unfinished if rank not in dead)
         if running:
             world.supervisor.interrupt(running)  # survivors still in the cell: the comeback waits for them
+        size = self.world_size
         try:
-            done = comeback.bring_back(world, self.config, dead)
+            if policy == "replace":
+                done = comeback.bring_back(world, self.config, dead)
+            else:
+                done = comeback.shrink(world, self.config, dead)
         except Exception as failure:  # noqa: BLE001  (any failure leaves the world broken, as a death did)
             self._lifecycle.ranks_died(dead)
-            return "", f"bringing it back failed: {one_line(failure)}"
+            doing = "bringing it back" if policy == "replace" else "going on without it"
+            return "", f"{doing} failed: {one_line(failure)}"
         world.regrouped(done.ranks)
         self.last_comeback_seconds = done.seconds
         ranks = ", ".join(map(str, sorted(dead)))
+        if policy == "shrink":
+            # the config keeps the size asked for: restart() starts the full world again
+            now = len(done.ranks)
+            where = (
+                f"every rank is at the snapshot taken at {done.resumed_from}; run the cell again to continue"
+                if done.resumed_from
+                else "nothing is tracked (ddp_notebook.track): the survivors keep what they had"
+            )
+            return (
+                f"The world went on without rank {ranks} in {done.seconds:.1f} s: {now} rank(s) now (was {size}), "
+                f"renumbered 0-{now - 1}, the process group formed again, variables kept: {where}",
+                "",
+            )
         where = (
             f"every rank is back at the snapshot taken at {done.resumed_from}; run the cell again to continue"
             if done.resumed_from
@@ -442,6 +484,12 @@ class DDPCluster:
             f"replayed, the process group formed again; other variables kept on the surviving ranks): {where}",
             "",
         )
+
+    def _loss_policy(self, world: RunningWorld) -> str:
+        """replace, shrink or stop: `on_loss`, with auto resolved for this world's provisioner."""
+        if self.config.on_loss != "auto":
+            return self.config.on_loss
+        return "replace" if world.provisioner.starts_ranks else "shrink"
 
     # ------------------------------------------------------------------ export (cell history)
 

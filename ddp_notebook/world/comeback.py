@@ -53,6 +53,28 @@ def bring_back(running: RunningWorld, config: WorldConfig, dead: Iterable[int]) 
     return _regroup(provisioner, config, world, survivors, running.private_dir, began, deadline)
 
 
+def shrink(running: RunningWorld, config: WorldConfig, lost: Iterable[int]) -> Comeback:
+    """Go on without the ranks in `lost` (their processes or hosts are gone): the survivors form a
+    group of their own number, renumbered host by host in their order, and every one goes to the
+    newest snapshot all of them hold; tracked loaders deal the rest of the epoch over them.
+
+    Raises DDPError with what went wrong (no survivor, GPU ranks); the world is then left as it was."""
+    began = time.perf_counter()
+    deadline = began + config.start_timeout
+    world = running.layout
+    gone = set(lost)
+    survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in gone]
+    if not survivors:
+        raise DDPError("no rank survived")
+    if any(p.gpu is not None for p in world.placements):
+        # a survivor renumbered on its host would be told another GPU than the one its tensors are on
+        raise DDPError("a world of GPU ranks cannot shrink yet")
+    _renumber(world, [p for p in world.placements if p.rank not in gone], [])
+    # rank 0 may be another process, on another host: the routes to it are planned again
+    forming.plan_routes(running.provisioner, world, deadline)
+    return _regroup(running.provisioner, config, world, survivors, running.private_dir, began, deadline)
+
+
 def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     """Grow or shrink a running world to `size` ranks: the ranks that stay keep everything; new
     ranks get the setup cells replayed and the tracked state from rank 0; the ranks past `size`
@@ -118,10 +140,13 @@ def _regroup(
     held = engines.apply_async(rank_calls.wrapped_models).get(timeout=_remaining(deadline))
     common = sorted(set.intersection(*(set(models) for models in held)))
     by_rank = dict(zip(new_ranks, held))
-    lead = by_rank[survivors[0].rank] if survivors else {}
+    # the survivors' numbers in the new group (a shrink renumbers them): found by their engines
+    rank_of_engine = {info.engine_id: rank for rank, info in new_ranks.items()}
+    kept = [rank_of_engine[info.engine_id] for info in survivors]
+    lead = by_rank[kept[0]] if kept else {}
     layouts = {name: lead.get(name) for name in common}
     engines.apply_async(rank_calls.rewrap_models, layouts).get(timeout=_remaining(deadline))
-    resumed = _restore(client, new_ranks, [info.rank for info in survivors], deadline)
+    resumed = _restore(client, new_ranks, kept, deadline)
     return Comeback(new_ranks, time.perf_counter() - began, resumed)
 
 

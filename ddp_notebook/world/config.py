@@ -25,6 +25,9 @@ DEFAULT_START_TIMEOUT = 90.0
 # dead ranks a world replaces by itself: enough for the odd crash or killed process, few enough
 # that a cell which kills its rank every time (an out-of-memory step) stops after three tries
 DEFAULT_MAX_RESTARTS = 3
+# what a world does when ranks are lost (their processes or hosts gone): auto replaces them where
+# the world can start processes (local ranks) and shrinks to the survivors elsewhere
+ON_LOSS_CHOICES = ("auto", "replace", "shrink", "stop")
 MAX_DEFAULT_CPU_RANKS = 4
 # CPU ranks beyond this many per core are refused (unless forced): each one would get a small
 # slice of a core and a few hundred MiB; on fewer cores, up to MAX_DEFAULT_CPU_RANKS still go
@@ -67,8 +70,10 @@ class WorldConfig:
     launch: LaunchConfig = field(default_factory=lambda: LaunchConfig())
     # local ranks are forked from a template that imported torch once (where that is safe)
     warm_start: bool = True
-    # how many dead ranks a world replaces by itself (ddp_notebook.comeback) before a death breaks it
+    # how many lost ranks a world goes on after by itself (world.comeback) before a loss breaks it
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    # replace the lost ranks, shrink to the survivors, or stop (the world is broken); see ON_LOSS_CHOICES
+    on_loss: str = "auto"
     # strict mode (ddp_notebook.strict): every rank checks each collective against its peers' first
     check_collectives: bool = False
 
@@ -105,6 +110,8 @@ class WorldConfig:
             raise DDPUsageError(f"threads per rank must be >= 1, got {self.threads_per_rank}")
         if self.max_restarts < 0:
             raise DDPUsageError(f"max restarts must be >= 0 (0: a dead rank breaks the world), got {self.max_restarts}")
+        if self.on_loss not in ON_LOSS_CHOICES:
+            raise DDPUsageError(f"on loss must be one of {', '.join(ON_LOSS_CHOICES)}, got '{self.on_loss}'")
 
     @property
     def device_kind(self) -> str:
@@ -130,6 +137,7 @@ class WorldConfig:
         attach: AttachTarget | None = None,
         warm_start: bool = True,
         max_restarts: int | None = None,
+        on_loss: str = "auto",
         check_collectives: bool = False,
         force: bool = False,
         **shortcuts: Any,
@@ -152,9 +160,13 @@ class WorldConfig:
         - `attach`: use the engines of a cluster started elsewhere instead of starting ranks;
         - `warm_start`: fork local ranks from a template process that imported torch once
           (Linux; off where the ranks' own environment must be read by a fresh interpreter);
-        - `max_restarts`: how many dead ranks the world replaces by itself, bringing every rank
-          back to the last snapshot of the tracked state (default DEFAULT_MAX_RESTARTS); past it
-          a death breaks the world (`restart()` then starts a full one);
+        - `max_restarts`: how many lost ranks (dead processes, lost hosts) the world goes on after
+          by itself, bringing every rank back to the last snapshot of the tracked state (default
+          DEFAULT_MAX_RESTARTS); past it a loss breaks the world (`restart()` then starts a full one);
+        - `on_loss`: how it goes on: `replace` the lost ranks by new processes, `shrink` to the
+          survivors (renumbered host by host; tracked loaders deal the rest of the epoch over
+          them), `stop` (the world is broken), or `auto` (default): replace where the world can
+          start processes (local ranks), shrink elsewhere (launchers, attached clusters);
         - `check_collectives`: strict mode: before each collective of the default group the ranks
           compare op, dtypes and shapes, and all raise the same error when they differ (one small
           all-gather per collective; `ddp_notebook.strict`), on every rank the world starts;
@@ -194,6 +206,7 @@ class WorldConfig:
             launch=launch,
             warm_start=warm_start,
             max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
+            on_loss=str(on_loss),
             check_collectives=bool(check_collectives),
         )
 

@@ -57,6 +57,9 @@ class Provisioner(ABC):
         """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""
         return None
 
+    # whether `add` can start ranks in a running world (a lost one is then replaced, not shrunk around)
+    starts_ranks = False
+
     def add(self, slots: Iterable[int]) -> None:
         """Start more rank processes for the given slots (ranks), to join the world."""
         raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")

@@ -90,6 +90,8 @@ class LocalProvisioner(ControlledProvisioner):
         warm, self.template = self.template, None
         return warm
 
+    starts_ranks = True
+
     def add(self, slots: Iterable[int]) -> None:
         forked = {"template": self.template} if self.template is not None else {}
         for slot in slots:
