@@ -160,15 +160,22 @@ def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(kernel
     assert wait_gone(pids) == []
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel, size: int) -> None:
-    out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {size}")
+def _start_tracking_a_step(kernel: Kernel, start: str) -> list[int]:
+    """Start a world with the `start` line, track `step` (a setup cell) and end a cell at step 5,
+    each rank noting its number then (`was`); the world's PIDs."""
+    out, error = kernel.run(f"%load_ext ddp_notebook\n{start}")
     assert error is None, out
-    old = kernel_world_pids(kernel)
+    pids = kernel_world_pids(kernel)
     out, error = kernel.run("%%ddp --setup\nstep = 0\nddp_notebook.track(step=step)")
     assert error is None, out
-    out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
+    out, error = kernel.run("%%ddp\nstep = 5\nwas = rank")  # a snapshot at the end of the cell
     assert error is None, out
+    return pids
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel, size: int) -> None:
+    old = _start_tracking_a_step(kernel, f"%ddp_start {size}")
     last = size - 1
     began = time.monotonic()
     out, error = kernel.run(
@@ -186,6 +193,30 @@ def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(ker
     assert error is None and f"DDP world ready: {size} ranks" in out, out
     out, error = kernel.run("%%ddp\nrank * 3")
     assert error is None and f"[rank {last}] Out: {last * 3}" in out, out
+    new = kernel_world_pids(kernel)
+    kernel.run("%ddp_stop")
+    assert wait_gone(sorted(set(old) | set(new))) == []
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_world_started_to_shrink_goes_on_with_the_survivors_in_a_kernel(kernel: Kernel, size: int) -> None:
+    """`%ddp_start N --on-loss shrink`, as launcher worlds do by default: rank 0 is lost (the
+    rendezvous moves), the others go on renumbered, at the snapshot; %ddp_restart is whole again."""
+    old = _start_tracking_a_step(kernel, f"%ddp_start {size} --on-loss shrink")
+    out, error = kernel.run(
+        "%%ddp\nimport os\nx = torch.ones(1)\nstep = 6\nif rank == 0:\n    os._exit(9)\ndist.all_reduce(x)"
+    )
+    assert error == "RankDiedError", out
+    now = size - 1
+    assert "rank 0 exited with code 9. The world went on without rank 0 in " in out, out
+    assert f"{now} rank(s) now (was {size})" in out and "the snapshot taken at the end of a cell" in out, out
+    out, error = kernel.run("%ddp_status")
+    assert error is None and "healthy" in out, out
+    out, error = kernel.run("%%ddp\nprint('step', step, 'was', was, 'now', rank, 'of', world_size)")
+    for rank in range(now):  # old rank r + 1 is rank r now; its other variables are its own
+        assert f"[rank {rank}] step 5 was {rank + 1} now {rank} of {now}" in out, out
+    out, error = kernel.run("%ddp_restart")
+    assert error is None and f"DDP world ready: {size} ranks" in out, out
     new = kernel_world_pids(kernel)
     kernel.run("%ddp_stop")
     assert wait_gone(sorted(set(old) | set(new))) == []
