@@ -269,6 +269,19 @@ def in_rank(shell: Any) -> bool:
     return isinstance(kernel, IPythonParallelKernel)
 
 
+def tell_notebook(key: str) -> None:
+    """Publish `{key: True}` to the notebook listening to this rank, read there after the cell
+    (`wire.results`' keys); nothing where no notebook listens (a script under torchrun)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    if in_rank(get_ipython()):
+        from ipyparallel.datapub import publish_data
+
+        publish_data({key: True})
+
+
 def log(step: float | None = None, **metrics: Any) -> None:
     """Record numbers for the notebook's live plot: `ddp_notebook.log(loss=loss.item())`.
 

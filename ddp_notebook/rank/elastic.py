@@ -251,17 +251,9 @@ def _after_cell(result: Any) -> None:
     else:
         # gathering is a collective, and another rank may have failed or still be in the cell:
         # the notebook, which knows, has every rank take it at once
-        _publish_snapshot_owed()
-
-
-def _publish_snapshot_owed() -> None:
-    shell = _shell()
-    if shell is not None and channel.in_rank(shell):  # an ipyparallel rank: a notebook listens
-        from ipyparallel.datapub import publish_data
-
         from ..wire.results import SNAPSHOT_OWED_KEY
 
-        publish_data({SNAPSHOT_OWED_KEY: True})
+        channel.tell_notebook(SNAPSHOT_OWED_KEY)
 
 
 def _after_batch(loader: helpers.EpochDataLoader) -> None:

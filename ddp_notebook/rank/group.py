@@ -345,18 +345,11 @@ def _report_broken_group(result: Any) -> None:
     """After a failed cell: tell the notebook when the failure broke this rank's process group
     (judged here, by the exception's type, where the exception is; the notebook sees its text only)."""
     error = getattr(result, "error_in_exec", None)
-    if error is None or not torch_adapter.breaks_group(error):
-        return
-    from IPython import get_ipython
-
-    from .channel import in_rank
-
-    if in_rank(get_ipython()):  # an ipyparallel rank: a notebook listens
-        from ipyparallel.datapub import publish_data
-
+    if error is not None and torch_adapter.breaks_group(error):
         from ..wire.results import GROUP_BROKEN_KEY
+        from .channel import tell_notebook
 
-        publish_data({GROUP_BROKEN_KEY: True})
+        tell_notebook(GROUP_BROKEN_KEY)
 
 
 def _keep_interruptible(*_: Any) -> None:

@@ -91,7 +91,7 @@ class DDPCluster:
         self.recorder = live_feed.Recorder()
         # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
         self.cell_history: list[CellRecord] = []
-        self.restarts = 0  # dead ranks this world replaced (bounded by config.max_restarts)
+        self.restarts = 0  # lost ranks this world went on after, replaced or not (bounded by config.max_restarts)
         self.last_comeback_seconds: float | None = None
 
     @classmethod

@@ -1,10 +1,12 @@
 """A dead rank comes back: a new process, the setup cells replayed, the group formed again at
-the same size, and every rank brought to the last snapshot of the tracked state. Resizing a
-world (`resize`) is the same steps with ranks added or ended.
+the same size, and every rank brought to the last snapshot of the tracked state. Going on
+without it (`shrink`) and resizing a world (`resize`) are the same steps with ranks left out,
+added or ended.
 
-Notebook side (no torch). `DDPCluster` calls `bring_back` when a cell found a rank's process
-gone, and `resize` for `DDPCluster.resize`, each on its `RunningWorld` (whose layout they change
-in place; the caller takes the new rank map); the rank side of both is `rank/elastic.py`.
+Notebook side (no torch). `DDPCluster` calls `bring_back` or `shrink` when a cell found a rank's
+process gone (as `on_loss` says), and `resize` for `DDPCluster.resize`, each on its
+`RunningWorld` (whose layout they change in place; the caller takes the new rank map); the rank
+side of all three is `rank/elastic.py`.
 """
 
 from __future__ import annotations
