@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ddp_notebook.platform.processes import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV
+from ddp_notebook.platform.processes import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV, descendants
 
 OWNER_POLL_SECONDS = 1.0
 CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
@@ -68,13 +68,11 @@ def watch_owner() -> None:
 def _kill_children() -> None:
     """SIGKILL the processes this one started: an engine's nanny runs in a session of its own,
     out of reach of the process-group kill, and would wait for a controller that is gone."""
-    try:
-        import psutil  # ipyparallel depends on it
-
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-    except Exception:  # noqa: BLE001  (best effort: this process is about to exit anyway)
-        pass
+    for child in descendants([os.getpid()]):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:  # gone meanwhile; best effort: this process is about to exit anyway
+            continue
 
 
 def _remove_connection_files() -> None:
