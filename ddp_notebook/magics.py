@@ -164,7 +164,7 @@ class DDPMagics(Magics):
         "--max-restarts",
         type=int,
         default=config.DEFAULT_MAX_RESTARTS,
-        help="dead ranks the world replaces by itself, back at the last snapshot (default: %(default)s; 0: never)",
+        help="lost ranks the world goes on after by itself, back at the last snapshot (default: %(default)s; 0: never)",
     )
     @argument(
         "--on-loss",

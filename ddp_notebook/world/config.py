@@ -22,8 +22,9 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo")
 
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
-# dead ranks a world replaces by itself: enough for the odd crash or killed process, few enough
-# that a cell which kills its rank every time (an out-of-memory step) stops after three tries
+# lost ranks a world goes on after by itself (replaced or shrunk around): enough for the odd crash
+# or killed process, few enough that a cell which kills its rank every time (an out-of-memory
+# step) stops after three tries
 DEFAULT_MAX_RESTARTS = 3
 # what a world does when ranks are lost (their processes or hosts gone): auto replaces them where
 # the world can start processes (local ranks) and shrinks to the survivors elsewhere
