@@ -53,3 +53,22 @@ def test_a_process_that_ended_has_no_descendants() -> None:
     done.wait(timeout=30)
     time.sleep(0.05)
     assert processes.descendants([done.pid]) == []
+
+
+def test_run_with_timeout_keeps_errors_out_of_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ipyparallel's stop calls can race its own loop and raise in our thread: the caller hears
+    False and ends the processes by PID; no thread traceback reaches the cell's output."""
+    import threading
+
+    escaped: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", lambda arguments: escaped.append(arguments.exc_value))
+
+    def races() -> None:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    assert processes.run_with_timeout(races, 5.0) is False
+    assert processes.run_with_timeout(lambda: None, 5.0) is True
+    started = time.monotonic()
+    assert processes.run_with_timeout(lambda: time.sleep(3.0), 0.2) is False  # still running: not done
+    assert time.monotonic() - started < 2.0
+    assert escaped == []

@@ -5,6 +5,7 @@ Only PIDs this package started (and what they forked) are ever signalled.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .limits import OomVerdict
+
+log = logging.getLogger("ddp_notebook")
 
 # what the notebook side tells the processes it starts, through their environment
 OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
@@ -70,11 +73,29 @@ def log_tail(path: str, lines: int = 5) -> str:
     return " | ".join(tail)
 
 
-def run_with_timeout(function: Callable[[], Any], seconds: float) -> None:
-    # stop_cluster_sync spins its own event loop; never let it hold the notebook forever
-    worker = threading.Thread(target=function, name="ddp-stop", daemon=True)
+def run_with_timeout(function: Callable[[], Any], seconds: float) -> bool:
+    """Runs `function` in a thread for at most `seconds`; True when it ended without an error.
+
+    For ipyparallel's stop calls: they spin their own event loop, which must never hold the
+    notebook forever, and they race the cluster's own loop over the same dicts of launchers
+    ("dictionary changed size during iteration"). What they leave, the caller ends by PID, so
+    their errors go to the log, never into the cell's output as a thread's traceback.
+    """
+    outcome: list[bool] = []
+
+    def guarded() -> None:
+        try:
+            function()
+        except Exception:
+            log.debug("%s failed; what it left is ended by PID", function, exc_info=True)
+            outcome.append(False)
+        else:
+            outcome.append(True)
+
+    worker = threading.Thread(target=guarded, name="ddp-stop", daemon=True)
     worker.start()
     worker.join(seconds)
+    return outcome == [True]
 
 
 def descendants(pids: list[int]) -> list[int]:

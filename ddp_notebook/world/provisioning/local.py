@@ -115,7 +115,10 @@ class LocalProvisioner(ControlledProvisioner):
         for info in infos:
             engine_set = engine_set_id(info.rank)
             if self.cluster is not None and engine_set in self.cluster.engines:
-                processes.run_with_timeout(functools.partial(self.cluster.stop_engines_sync, engine_set), STOP_SECONDS)
+                stopped = functools.partial(self.cluster.stop_engines_sync, engine_set)
+                if not processes.run_with_timeout(stopped, STOP_SECONDS):
+                    # its processes end by PID below; the cluster must not list them any more
+                    self.cluster.engines.pop(engine_set, None)
         processes.kill_survivors([info.pid for info in infos])
 
     def rank_environment(self, slot: int) -> dict[str, str]:
