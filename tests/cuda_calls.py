@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="nccl")
     parser.add_argument("--local-rank", type=int, default=1)
     parser.add_argument("--gpu", default=None, help="the spec's gpu entry (omit: a CPU rank)")
+    parser.add_argument("--local-world-size", type=int, default=None, help="ranks on its host (default LOCAL_RANK + 1)")
     parser.add_argument(
         "--inject", default="none", choices=["none", "device-count-at-import", "tensor-before-set-device"]
     )
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             rank=0,  # rank 0 of a one-rank world, LOCAL_RANK given apart: the device must follow LOCAL_RANK
             world_size=1,
             local_rank=args.local_rank,
-            local_world_size=args.local_rank + 1,
+            local_world_size=args.local_world_size or args.local_rank + 1,
             group_rank=0,
             master_addr="127.0.0.1",
             master_port=rank.open_rendezvous("127.0.0.1"),

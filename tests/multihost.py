@@ -353,9 +353,19 @@ def network_namespaces(n: int = 2) -> Iterator[Network]:
             record.links.append(bridge)
             record.save()
             result = _run(
-                "ip", "link", "add", bridge, "type", "bridge",
+                "ip",
+                "link",
+                "add",
+                bridge,
+                "type",
+                "bridge",
                 # bridged frames must not go through the host's iptables FORWARD chain
-                "nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0",
+                "nf_call_iptables",
+                "0",
+                "nf_call_ip6tables",
+                "0",
+                "nf_call_arptables",
+                "0",
                 check=False,
             )
             if result.returncode:
@@ -535,18 +545,34 @@ def ssh_hosts(network: Network) -> Iterator[SSHHosts]:
             sshd_config = home / "sshd_config"
             sshd_config.write_text(
                 SSHD_CONFIG.format(
-                    address=host.address, port=SSH_PORT, host_key=host_key,
-                    authorized_keys=authorized, sftp_server=_sftp_server(),
+                    address=host.address,
+                    port=SSH_PORT,
+                    host_key=host_key,
+                    authorized_keys=authorized,
+                    sftp_server=_sftp_server(),
                 )
             )
             log = home / "sshd.log"
             with open(log, "wb") as out:
                 process = subprocess.Popen(
                     host.exec_args(
-                        "unshare", "--uts", "--mount", "sh", "-c", HOST_INIT,
-                        "sh", host.name, str(hosts_file), str(resolv), sshd, str(sshd_config), bashrc,
+                        "unshare",
+                        "--uts",
+                        "--mount",
+                        "sh",
+                        "-c",
+                        HOST_INIT,
+                        "sh",
+                        host.name,
+                        str(hosts_file),
+                        str(resolv),
+                        sshd,
+                        str(sshd_config),
+                        bashrc,
                     ),
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             processes[process.pid] = process
@@ -713,10 +739,14 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
         (tmp / f"spool-{node}").mkdir()
     config.write_text(
         SLURM_CONF.format(
-            cluster=f"ddp{run_id}", partition="ddp", tmp=tmp,
+            cluster=f"ddp{run_id}",
+            partition="ddp",
+            tmp=tmp,
             # slurmctld checks that it runs on the host this names
-            controller=socket.gethostname().split(".")[0], controller_address=controller_address,
-            ctld_port=_free_port(), d_port=_free_port(),
+            controller=socket.gethostname().split(".")[0],
+            controller_address=controller_address,
+            ctld_port=_free_port(),
+            d_port=_free_port(),
             nodes=node_lines,
         )
     )
@@ -728,8 +758,16 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
         daemon = [str(_tool("slurmd")), "-D", "-N", node]
         if netns is not None:
             daemon = [
-                "nsenter", f"--net=/run/netns/{netns}",
-                "unshare", "--uts", "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh", node, *daemon,
+                "nsenter",
+                f"--net=/run/netns/{netns}",
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                'hostname "$1" && shift && exec "$@"',
+                "sh",
+                node,
+                *daemon,
             ]
         daemons[f"slurmd-{node}"] = daemon
     pids: dict[int, int | None] = {}
@@ -740,8 +778,12 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
         for name, cmd in daemons.items():
             with open(tmp / f"{name}.out", "wb") as out:
                 process = subprocess.Popen(
-                    cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True,
+                    cmd,
+                    env=full_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             processes.append(process)
             pids[process.pid] = _start_time(process.pid)

@@ -370,7 +370,6 @@ def test_a_cell_that_logs_nothing_leaves_the_latest_metrics(clock: Clock) -> Non
     assert recorder.latest is fresh and recorder.metrics is not first.metrics
 
 
-
 # ---------------------------------------------------------------- step times and the X-ray
 
 

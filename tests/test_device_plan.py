@@ -235,3 +235,75 @@ def test_a_cpu_rank_never_touches_cuda(tmp_path: Path) -> None:
     assert cuda_calls(result["calls"]) == []
     assert result["published"]["device"] == "cpu"
     assert result["helpers"]["ddp_device_ids"] is None and result["helpers"]["loader_pin_memory"] is False
+
+
+# ---------------------------------------------------------------- a world that shrank or grew
+
+
+def test_a_gpu_survivor_of_a_shrink_keeps_its_gpu_and_local_rank() -> None:
+    """Its tensors and CUDA context are on its GPU: renumbering it on its host would tell it another."""
+    seen = ("0", "1", "2", "3")
+    four = place_ranks([EngineIdentity(i, "h", 100 + i, slot=i, gpus=seen) for i in range(4)], use_gpus=True)
+    after = layout.place_again([p for p in four if p.rank not in (0, 2)], [])  # ranks 0 and 2 lost
+    assert [(p.rank, p.gpu, p.local_rank, p.local_world_size) for p in after] == [(0, "1", 1, 2), (1, "3", 3, 2)]
+    assert [(p.engine_id, p.pid) for p in after] == [(1, 101), (3, 103)]
+    assert all(gpu_problem(p.gpu, p.local_rank, seen) is None for p in after if p.gpu)
+    # two launcher hosts, the first one lost: the second's ranks become 0 and 1 on group 0
+    hosts = place_ranks([EngineIdentity(i, h, i, launcher_rank=i, gpus=("0", "1")) for i, h in enumerate("aabb")], True)
+    kept = layout.place_again([p for p in hosts if p.host == "b"], [])
+    assert [(p.rank, p.host, p.gpu, p.local_rank, p.group_rank) for p in kept] == [
+        (0, "b", "0", 0, 0),
+        (1, "b", "1", 1, 0),
+    ]
+    # CPU ranks count their local ranks again
+    cpu = place_ranks([EngineIdentity(i, "h", i, slot=i) for i in range(3)], use_gpus=False)
+    assert [(p.rank, p.local_rank, p.gpu) for p in layout.place_again(cpu[1:], [])] == [(0, 0, None), (1, 1, None)]
+
+
+def test_a_grown_gpu_world_gives_new_ranks_free_gpus_under_the_device_rule() -> None:
+    machine = ("0", "1", "2", "3")
+    two = place_ranks([EngineIdentity(i, "h", i, slot=i, gpus=("0", "1")) for i in range(2)], use_gpus=True)
+    # %ddp_resize 3: the new process sees the world's list with one free GPU of the machine appended
+    seen = layout.grown_gpus(3, ("0", "1"), ("0", "1"), machine)
+    assert seen == ("0", "1", "2")
+    grown = layout.place_again(two, [EngineIdentity(9, "h", 9, slot=2, gpus=seen)])
+    assert [(p.rank, p.gpu, p.local_rank, p.local_world_size) for p in grown] == [
+        (0, "0", 0, 3),
+        (1, "1", 1, 3),
+        (2, "2", 2, 3),
+    ]
+    # the running ranks keep their shorter list: theirs is a prefix, so cuda:LOCAL_RANK is still their GPU
+    assert all(gpu_problem(p.gpu, p.local_rank, ("0", "1")) is None for p in grown[:2] if p.gpu)
+    assert gpu_problem("2", 2, seen) is None
+    # a world on --gpus 2,3 takes the machine's others in its order; a shrunk one reuses its own first
+    assert layout.grown_gpus(4, ("2", "3"), ("2", "3"), machine) == ("2", "3", "0", "1")
+    assert layout.grown_gpus(4, machine, ("1", "2", "3"), machine) == machine
+    refilled = layout.place_again(
+        layout.place_again([p for p in grown if p.rank != 0], []), [EngineIdentity(8, "h", 8, slot=3, gpus=machine)]
+    )
+    assert [(p.gpu, p.local_rank) for p in refilled] == [("1", 1), ("2", 2), ("0", 0)]
+    # too few: one line with the most it can be
+    with pytest.raises(
+        DDPUsageError, match=r"5 GPU ranks need 1 more GPU\(s\) and this machine has 0 free .*no rank can"
+    ):
+        layout.grown_gpus(5, machine, machine, machine)
+    with pytest.raises(DDPUsageError, match=r"6 GPU ranks need 4 more .* has 2 free \(2, 3\): %ddp_resize 4 at most"):
+        layout.grown_gpus(6, ("0", "1"), ("0", "1"), machine)
+    with pytest.raises(DDPUsageError, match="host h has no free GPU for a new rank: its ranks hold 0, 1"):
+        layout.place_again(two, [EngineIdentity(9, "h", 9, slot=2, gpus=("0", "1"))])
+
+
+def test_a_rank_added_by_a_resize_selects_its_gpu_first(tmp_path: Path) -> None:
+    # the third rank of a world grown from GPUs 0,1: it sees 0,1,2 and must pick cuda:2
+    result = record_startup(tmp_path, "0,1,2", "--gpu", "2", "--local-rank", "2", "--gpus", "4")
+    assert_set_device_first(result, 2)
+    assert result["published"]["device"] == "cuda:2"
+
+
+def test_a_survivor_with_a_gap_below_it_stays_on_its_gpu(tmp_path: Path) -> None:
+    # after a shrink: LOCAL_RANK 3 on a host of 2 ranks (0 and 2 lost); its group is formed again
+    result = record_startup(
+        tmp_path, "0,1,2,3", "--gpu", "3", "--local-rank", "3", "--local-world-size", "2", "--gpus", "4"
+    )
+    assert_set_device_first(result, 3)
+    assert result["published"] == {"rank": "0", "world_size": "1", "local_rank": "3", "device": "cuda:3"}

@@ -75,7 +75,11 @@ def test_an_exported_script_under_torchrun_ends_like_the_cells(world: DDPCluster
     env = {**os.environ, "EXPORT_OUT": str(script_out), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "rank 0 only" in run.stdout

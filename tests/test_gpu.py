@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from ddp_notebook import DDPCluster
+from ddp_notebook.errors import DDPUsageError
 from tests import test_ddp_correctness as correctness
 from tests.conftest import wait_gone
 
@@ -321,6 +322,39 @@ def test_nvml_lists_each_rank_on_its_own_gpu_only(gpu_world: DDPCluster) -> None
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI's mpiexec is not installed")
+def test_resize_gives_new_ranks_free_gpus_and_keeps_the_others_on_theirs() -> None:
+    count = need_gpus(2)
+    world = start_world(1, gpus=[0])
+    try:
+        world.execute("import os\nkept_pid = os.getpid()\nmarker = torch.full((4,), 7.0, device=device)", stream=False)
+        world.resize(count)
+        found = placements(world)
+        assert [found[r]["device"] for r in sorted(found)] == [f"cuda:{r}" for r in range(count)]
+        assert len({p["uuid"] for p in found.values()}) == count, "two ranks share a GPU"
+        assert found[0]["visible"] == "0" and found[count - 1]["visible"] == ",".join(map(str, range(count)))
+        world.execute(COLLECTIVES_CODE, stream=False)
+        assert set(world.pull("collectives_ok").values()) == {True}
+        assert world.pull("marker", ranks=[0])[0].tolist() == [7.0] * 4  # rank 0 kept its tensor and GPU
+        world.resize(1)
+        assert world.config.gpus == ("0",)
+        assert placements(world)[0]["device"] == "cuda:0"
+    finally:
+        stop_world(world)
+
+
+def test_resize_past_the_gpus_of_the_machine_says_so_and_keeps_the_world() -> None:
+    count = need_gpus(1)
+    world = start_world(count)
+    try:
+        with pytest.raises(DDPUsageError, match=f"{count + 1} GPU ranks need 1 more GPU.*no rank can be added"):
+            world.resize(count + 1)
+        assert world.world_size == count
+        world.execute(COLLECTIVES_CODE, stream=False)
+        assert set(world.pull("collectives_ok").values()) == {True}
+    finally:
+        stop_world(world)
+
+
 def test_a_world_through_the_mpi_launcher_follows_the_same_rule() -> None:
     n = need_gpus(2)
     world = start_world(n, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV)

@@ -106,8 +106,10 @@ def test_worlds_elsewhere_resolve_their_size_and_address() -> None:
     ssh = build(launcher="ssh", hosts="a:2,b:2", ip="127.0.0.1")
     assert ssh.n_ranks == 4 and ssh.backend == "auto"
     assert ssh.launch.settings == {"SSHEngineSetLauncher": {"engines": {"a": 2, "b": 2}}}
-    with pytest.raises(DDPUsageError, match="3 ranks asked for but the ssh hosts list 4 engines"):
-        build(3, launcher="ssh", settings={"SSHEngineSetLauncher": {"engines": {"a": 4}}})
+    with pytest.raises(DDPUsageError, match="5 ranks asked for but the ssh hosts list has slots for 4"):
+        build(5, launcher="ssh", settings={"SSHEngineSetLauncher": {"engines": {"a": 4}}})
+    # fewer ranks than slots: the first ones start, the rest are spare
+    assert build(3, launcher="ssh", hosts="a:2,b:2", ip="127.0.0.1").n_ranks == 3
     with pytest.raises(DDPUsageError, match="say how many ranks to start with the mpi launcher"):
         build(launcher="mpi")
     with pytest.raises(DDPUsageError, match="--gpus chooses GPUs of this machine"):
@@ -146,3 +148,19 @@ def test_layout_line_names_each_hosts_ranks() -> None:
         for r, h in enumerate("aab")
     ]
     assert describe_layout(ranks) == "a: ranks 0-1, b: rank 2"
+
+
+def test_new_ranks_of_an_ssh_world_take_free_slots_of_its_hosts_list() -> None:
+    slots = launchers.ssh_slots({"SSHEngineSetLauncher": {"engines": {"a": 1, "b": 2, "root@c:2222": {"n": 1}}}})
+    assert slots == {"a": 1, "b": 2, "root@c:2222": 1}
+    assert launchers.ssh_host_total({"SSHEngineSetLauncher": {"engines": slots}}) == 4
+    # a rank whose process died on a host still there starts there again
+    assert launchers.hosts_for_new_ranks([1], slots, {"a": 1, "b": 1}, former={1: "b"}) == {1: "b"}
+    # a lost host takes none: its rank goes to the first free slot of the list (the spare one)
+    assert launchers.hosts_for_new_ranks([0], slots, {"b": 2}, lost={"a"}, former={0: "a"}) == {0: "root@c:2222"}
+    # growth fills the list's free slots in its order
+    assert launchers.hosts_for_new_ranks([2, 3], slots, {"a": 1, "b": 1}) == {2: "b", 3: "root@c:2222"}
+    with pytest.raises(
+        DDPUsageError, match=r"no host of the list has a free slot for rank 3 \(a:1 \(lost\), b:2 \(runs 2\)"
+    ):
+        launchers.hosts_for_new_ranks([3], {"a": 1, "b": 2}, {"b": 2}, lost={"a"})

@@ -48,7 +48,7 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --launcher mpi --hosts a,b", "--hosts is for the ssh launcher; this world uses --launcher mpi"),
         ("%ddp_start --launcher mpi", "say how many ranks to start with the mpi launcher"),
         ("%ddp_start 2 --launcher mpi --gpus 0,1", "--gpus chooses GPUs of this machine"),
-        ("%ddp_start 3 --launcher ssh --hosts a:2,b:2", "3 ranks asked for but the ssh hosts list 4 engines"),
+        ("%ddp_start 5 --launcher ssh --hosts a:2,b:2", "5 ranks asked for but the ssh hosts list has slots for 4"),
         ("%ddp_start 2 --launcher ssh --hosts a:x", "cannot read host 'a:x'"),
         ("%ddp_start 2 --launcher slurm --config qos=high", "write Class.trait=value"),
         ("%ddp_attach /nonexistent/ipcontroller-client.json", "no cluster connection file at /nonexistent"),
@@ -243,3 +243,13 @@ def test_options_with_arguments_reach_the_launcher_as_typed(
     settings, restart = start_config(line)
     assert not restart
     assert {trait: settings.launch.settings[launcher][trait] for trait in expected} == expected
+
+
+def test_an_ssh_world_with_spare_slots_as_the_docs_start_it() -> None:
+    """docs/scaling_out.md: `%ddp_start 4 --launcher ssh --hosts node1:2,node2:2,node3:2 --on-loss
+    replace --ip ...`: four ranks, two spare slots, lost ranks replaced (the address: this machine's)."""
+    from ddp_notebook.magics import start_config
+
+    settings, _ = start_config("4 --launcher ssh --hosts node1:2,node2:2,node3:2 --on-loss replace --ip 127.0.0.1")
+    assert settings.n_ranks == 4 and settings.on_loss == "replace"
+    assert settings.launch.settings["SSHEngineSetLauncher"]["engines"] == {"node1": 2, "node2": 2, "node3": 2}

@@ -164,9 +164,7 @@ def test_tcp_between_namespaces_crosses_the_bridge(multihost_network: Network) -
     assert "dev eth0" in route.stdout, route.stdout
     size = 1_000_000
     before = _tx_bytes(h2.veth)  # the bridge delivers to h2 through this end of its link
-    server = subprocess.Popen(
-        h2.exec_args(sys.executable, "-c", SERVER, h2.address), stdout=subprocess.PIPE, text=True
-    )
+    server = subprocess.Popen(h2.exec_args(sys.executable, "-c", SERVER, h2.address), stdout=subprocess.PIPE, text=True)
     try:
         port = server.stdout.readline().strip()
         subprocess.run(h1.exec_args(sys.executable, "-c", CLIENT, h2.address, port, str(size)), check=True, timeout=30)
@@ -186,11 +184,15 @@ def test_ssh_hosts_have_their_own_hostname_and_python(multihost_ssh: SSHHosts, m
     for host, name in zip(multihost_network, multihost_ssh.hosts):
         out = subprocess.run(
             multihost_ssh.ssh(
-                name, sys.executable, "-c",
+                name,
+                sys.executable,
+                "-c",
                 "'import socket, sys; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()),"
                 " sys.executable)'",
             ),
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == [name, host.address, sys.executable]
@@ -212,7 +214,10 @@ def test_mpiexec_runs_ranks() -> None:
     _require_mpi()
     out = subprocess.run(
         [*mpiexec_args(2), sys.executable, "-c", "import os; print('rank=' + os.environ['OMPI_COMM_WORLD_RANK'])"],
-        env={**os.environ, **mpi_env()}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, **mpi_env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     # the ranks' lines reach mpiexec's stdout in any order, sometimes run together ("rank=0rank=1")
@@ -253,9 +258,7 @@ def test_ipyparallel_mpi_launcher_across_hosts(
     ]
     launcher.engine_cmd = ENGINE_WITHOUT_MPI4PY
     launcher.engine_args = ["--IPEngine.enable_nanny=False"]
-    with running_cluster(
-        tmp_path, "mpi", 2, config, controller_ip=multihost_network.address, curve=True
-    ) as started:
+    with running_cluster(tmp_path, "mpi", 2, config, controller_ip=multihost_network.address, curve=True) as started:
         started.pids += _tree(started.cluster.engine_set.pid)
         by_rank = {d["env"]["OMPI_COMM_WORLD_RANK"]: d for d in started.engines}
         assert {rank: d["hostname"] for rank, d in by_rank.items()} == {"0": "ddp-h1", "1": "ddp-h2"}
@@ -289,9 +292,7 @@ def test_ipyparallel_ssh_launcher(tmp_path: Path, multihost_network: Network, mu
     launcher.scp_args = multihost_ssh.ssh_args
     launcher.remote_python = sys.executable
     launcher.engine_args = ["--IPEngine.enable_nanny=False"]
-    with running_cluster(
-        tmp_path, "ssh", 2, config, controller_ip=multihost_network.address, curve=True
-    ) as started:
+    with running_cluster(tmp_path, "ssh", 2, config, controller_ip=multihost_network.address, curve=True) as started:
         launchers = started.cluster.engine_set.launchers
         assert sorted(launchers) == ["ddp-h1/0", "ddp-h2/0"]
         # the launcher's pid is the engine's, as seen on its host (one pid space here)
@@ -340,9 +341,7 @@ def test_ipyparallel_slurm_launcher_across_hosts(
         "srun {program_and_args}\n"
     )
     launcher.engine_args = ["--IPEngine.enable_nanny=False"]
-    with running_cluster(
-        tmp_path, "slurm", 2, config, controller_ip=multihost_network.address, curve=True
-    ) as started:
+    with running_cluster(tmp_path, "slurm", 2, config, controller_ip=multihost_network.address, curve=True) as started:
         job = started.cluster.engine_set.job_id
         assert multihost_slurm.jobs() == [job]
         by_rank = {d["env"]["SLURM_PROCID"]: d for d in started.engines}

@@ -236,6 +236,55 @@ def test_a_lost_host_is_named_the_world_goes_on_and_restart_brings_it_back_whole
             world.stop()
 
 
+def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_hosts(
+    multihost_network: Network, multihost_ssh: SSHHosts
+) -> None:
+    """--on-loss replace: rank 0's host goes silent, a new process starts on the list's spare slot
+    of the other host and the survivor keeps its variables; %ddp_resize shrinks it and grows it
+    back onto the first host. Every process ends at stop."""
+    h1, h2 = multihost_network
+    world = DDPCluster(
+        2,  # the list has 3 slots: the first two start (one per host), the third is spare
+        launcher="ssh",
+        hosts=f"{h2.name}:1,{h1.name}:2",
+        ssh_args=multihost_ssh.ssh_args,
+        ip=multihost_network.address,
+        backend="gloo",
+        on_loss="replace",
+        timeout=60,
+        start_timeout=120,
+    )
+    seen: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)
+        world.start()
+        try:
+            assert [info.host for info in world.ranks] == [h2.name, h1.name]
+            seen.update(info.pid for info in world.ranks)
+            world.execute("kept = f'made on {rank}'", stream=False)
+            victim = world.ranks[0]
+            os.kill(victim.pid, signal.SIGKILL)  # rank 0's host "goes down": no word from it
+            with pytest.raises(RankDiedError, match=rf"rank 0 on {h2.name} was lost.*Rank 0 came back"):
+                world.execute("t = torch.ones(1); dist.all_reduce(t)", timeout=60)
+            # the survivor is rank 0 now, the new process rank 1, both on the host with the free slots
+            assert [info.host for info in world.ranks] == [h1.name, h1.name]
+            assert victim.pid not in {info.pid for info in world.ranks}
+            seen.update(info.pid for info in world.ranks)
+            check = "t = torch.ones(1); dist.all_reduce(t); (t.item(), globals().get('kept'))"
+            assert world.execute(check, stream=False).value_text(0) == "(2.0, 'made on 1')"
+            assert world.execute(check, stream=False).value_text(1) == "(2.0, None)"
+            left = world.ranks[1].pid
+            world.resize(1)
+            assert world.world_size == 1 and wait_gone([left]) == []
+            world.resize(2)  # the free slots: the first host's comes first in the list
+            assert [info.host for info in world.ranks] == [h1.name, h2.name]
+            seen.update(info.pid for info in world.ranks)
+            assert world.execute(check, stream=False).value_text(1) == "(2.0, None)"
+        finally:
+            world.stop()
+    assert wait_gone(sorted(seen)) == []
+
+
 def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, multihost_ssh: SSHHosts) -> None:
     h1, h2 = multihost_network
     # h2 can still reach the controller (on the bridge), but not rank 0's host

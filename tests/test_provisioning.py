@@ -134,9 +134,32 @@ def test_ranks_elsewhere_are_dead_when_their_pid_or_heartbeat_is_gone(cpu_machin
         sleeper.wait(10)
 
 
-def test_only_local_worlds_add_ranks(cpu_machine: None) -> None:
+def test_local_and_ssh_worlds_add_ranks_the_other_launchers_do_not(cpu_machine: None) -> None:
+    mpi = LauncherProvisioner(WorldConfig.build(2, launcher="mpi"), "/p")
+    assert not mpi.starts_ranks
     with pytest.raises(DDPUsageError, match="--launcher mpi cannot add ranks"):
-        LauncherProvisioner(WorldConfig.build(2, launcher="mpi"), "/p").add([2])
+        mpi.add([2])
+    assert LauncherProvisioner(WorldConfig.build(launcher="ssh", hosts="a:1,b:2", ip="127.0.0.1"), "/p").starts_ranks
+
+
+def test_ssh_ranks_are_known_by_their_listed_host_and_never_signalled_here(cpu_machine: None) -> None:
+    """An SSH launcher's PID is its process's on the other host: it maps a rank to its host of
+    the list, and is never among the PIDs this machine may kill."""
+    from ipyparallel.cluster.launcher import LocalEngineLauncher, SSHEngineLauncher, SSHEngineSetLauncher
+
+    from ddp_notebook.world.layout import EngineIdentity
+    from ddp_notebook.world.provisioning.controlled import launched_pids
+
+    engine_set = SSHEngineSetLauncher()
+    for identifier, hostname, pid in (("root@a:22/0", "a", 500), ("b/0", "b", 500), ("b/1", "b", 501)):
+        engine_set.launchers[identifier] = SSHEngineLauncher(hostname=hostname, pid=pid)
+    local = SimpleNamespace(launchers={"0": LocalEngineLauncher(pid=os.getpid())})
+    cluster = SimpleNamespace(controller=None, engines={"world": engine_set, "here": local})
+    assert launched_pids(cluster) == [os.getpid()]
+    provisioner = LauncherProvisioner(WorldConfig.build(launcher="ssh", hosts="a:1,b:2", ip="127.0.0.1"), "/p")
+    provisioner.cluster = cluster
+    provisioner.learn([EngineIdentity(1, "a.cluster", 500), EngineIdentity(2, "b", 500), EngineIdentity(3, "b", 501)])
+    assert provisioner.listed_host == {("a.cluster", 500): "root@a:22", ("b", 500): "b", ("b", 501): "b"}
 
 
 def test_launchers_come_from_ipyparallel_entry_points() -> None:
@@ -192,4 +215,3 @@ def test_a_death_says_its_cause_as_a_value_and_in_words() -> None:
     not_memory = death_of(-signal.SIGKILL, OomVerdict(False))
     assert not_memory == Death("signal", "was killed by SIGKILL", -signal.SIGKILL)
     assert death_of(-signal.SIGKILL).cause == "signal"  # unknown: a signal, with the hint in its words
-

@@ -54,6 +54,8 @@ class Snapshot:
 
 
 _NAMESPACE = object()
+# where a new rank's group of its own meets while it replays the setup cells
+LOOPBACK = "127.0.0.1"
 
 
 def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> None:
@@ -165,8 +167,11 @@ def begin_replay(spec: RankSpec) -> None:
     """Before the setup cells are replayed on a new rank: it is rank `spec.rank` of the world,
     in a process group of its own (collectives in setup cells see one rank); joining the
     world's group later moves models from `prepare_model` onto it."""
-    port = rank_side.open_rendezvous(spec.master_addr)
-    alone = dataclasses.replace(spec, rank=0, world_size=1, local_world_size=1, stack_dir=None, master_port=port)
+    # its own group's rendezvous is on its own host: MASTER_ADDR is rank 0's, maybe elsewhere
+    port = rank_side.open_rendezvous(LOOPBACK)
+    alone = dataclasses.replace(
+        spec, rank=0, world_size=1, local_world_size=1, stack_dir=None, master_addr=LOOPBACK, master_port=port
+    )
     rank_side.init_world(alone)
     joined = rank_side.joined_context()
     assert joined is not None  # init_world just set it

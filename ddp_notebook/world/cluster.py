@@ -489,7 +489,8 @@ class DDPCluster:
         """replace, shrink or stop: `on_loss`, with auto resolved for this world's provisioner."""
         if self.config.on_loss != "auto":
             return self.config.on_loss
-        return "replace" if world.provisioner.starts_ranks else "shrink"
+        # ranks elsewhere go on with the survivors unless asked to wait for new processes there
+        return "replace" if world.provisioner.starts_ranks_here else "shrink"
 
     # ------------------------------------------------------------------ export (cell history)
 
@@ -554,10 +555,21 @@ class DDPCluster:
         """
         world = self._require_running()
         config.check_rank_count(n_ranks)
-        if self.config.gpus:
-            raise DDPUsageError("resizing a world of GPU ranks is not supported yet: %ddp_start it again with N ranks")
         if n_ranks == self.world_size:
             return 0.0
+        if n_ranks > self.world_size:
+            if not world.provisioner.starts_ranks:
+                what = (
+                    "an attached world"
+                    if self.attached
+                    else f"a world started with --launcher {self.config.launch.launcher}"
+                )
+                raise DDPUsageError(
+                    f"{what} cannot add ranks; it can shrink (%ddp_resize N with N < {self.world_size})"
+                )
+            # GPU ranks started here: the new processes see the world's GPUs and free ones of this
+            # machine (one line, the world untouched, when there are too few)
+            world.provisioner.prepare_gpus(n_ranks, [p.gpu for p in world.layout.placements if p.gpu is not None])
         if self.needs_heal:
             self.heal()
         busy = world.controller.busy(self.ranks)
@@ -572,7 +584,12 @@ class DDPCluster:
                 f"could not resize the world to {n_ranks} ranks: {one_line(failure)}; %ddp_restart"
             ) from None
         world.regrouped(done.ranks)
-        self.config = world.provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks)
+        # a restart starts this size again, on the GPUs the ranks use now
+        gpus = self.config.gpus
+        if gpus:
+            used = {p.gpu for p in world.layout.placements}
+            gpus = tuple(gpu for gpu in world.provisioner.world_gpus if gpu in used)
+        self.config = world.provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks, gpus=gpus)
         return done.seconds
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import DDPError, one_line
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..rank import calls as rank_calls
 from ..wire.join import Identity
-from ..wire.results import RankInfo
+from ..wire.results import Death, RankInfo
 from . import forming, layout
 from .config import WorldConfig
 from .provisioning import Provisioner
@@ -38,20 +38,30 @@ class Comeback:
     resumed_from: str | None  # where the restored snapshot was taken; None when nothing is tracked
 
 
-def bring_back(running: RunningWorld, config: WorldConfig, dead: Iterable[int]) -> Comeback:
+def bring_back(running: RunningWorld, config: WorldConfig, dead: Mapping[int, Death]) -> Comeback:
     """Replace the ranks in `dead` by new processes and bring the world back to one consistent point.
 
-    Raises DDPError with what went wrong; the world is then left as it was found (dead ranks).
+    A new process on the host of the one it replaces takes its place; one that had to start on
+    another host (its own was lost) joins after the survivors, the ranks numbered again host by
+    host. Raises DDPError with what went wrong; the world is then left as it was found (dead ranks).
     """
     began = time.perf_counter()
     deadline = began + config.start_timeout
     provisioner, world = running.provisioner, running.layout
     lost = sorted(dead)
     survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in lost]
-    started = _start_ranks(provisioner, lost, deadline)
-    for rank, new in started.items():  # the same place, another process
-        world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=new.engine_id, pid=new.pid)
-    _replay_setup(provisioner, config, world, lost, running.setup_cells, deadline)
+    replacing = {rank: (running.ranks[rank], dead[rank]) for rank in lost}
+    started = _start_ranks(provisioner, lost, deadline, survivors, replacing)
+    if all(started[rank].host == world.placements[rank].host for rank in lost):
+        for rank, new in started.items():  # the same place, another process
+            world.placements[rank] = dataclasses.replace(world.placements[rank], engine_id=new.engine_id, pid=new.pid)
+        new_ranks = lost
+    else:
+        _renumber(world, [p for p in world.placements if p.rank not in dead], [started[rank] for rank in lost])
+        forming.plan_routes(provisioner, world, deadline)  # a host joined, rank 0 may have moved
+        engines = {new.engine_id for new in started.values()}
+        new_ranks = [p.rank for p in world.placements if p.engine_id in engines]
+    _replay_setup(provisioner, config, world, new_ranks, running.setup_cells, deadline)
     return _regroup(provisioner, config, world, survivors, running.private_dir, began, deadline)
 
 
@@ -60,7 +70,7 @@ def shrink(running: RunningWorld, config: WorldConfig, lost: Iterable[int]) -> C
     group of their own number, renumbered host by host in their order, and every one goes to the
     newest snapshot all of them hold; tracked loaders deal the rest of the epoch over them.
 
-    Raises DDPError with what went wrong (no survivor, GPU ranks); the world is then left as it was."""
+    Raises DDPError with what went wrong (no survivor); the world is then left as it was."""
     began = time.perf_counter()
     deadline = began + config.start_timeout
     world = running.layout
@@ -68,9 +78,7 @@ def shrink(running: RunningWorld, config: WorldConfig, lost: Iterable[int]) -> C
     survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in gone]
     if not survivors:
         raise DDPError("no rank survived")
-    if any(p.gpu is not None for p in world.placements):
-        # a survivor renumbered on its host would be told another GPU than the one its tensors are on
-        raise DDPError("a world of GPU ranks cannot shrink yet")
+    # a GPU survivor keeps its GPU and LOCAL_RANK: its tensors are there
     _renumber(world, [p for p in world.placements if p.rank not in gone], [])
     # rank 0 may be another process, on another host: the routes to it are planned again
     forming.plan_routes(running.provisioner, world, deadline)
@@ -91,8 +99,9 @@ def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     staying = [ranks[r] for r in sorted(ranks) if r < size]
     if size > old:
         added = list(range(old, size))
-        started = _start_ranks(provisioner, added, deadline)
+        started = _start_ranks(provisioner, added, deadline, staying)
         _renumber(world, world.placements, [started[slot] for slot in added])
+        forming.plan_routes(provisioner, world, deadline)  # the new ranks may be on another host
         _replay_setup(provisioner, config, world, added, running.setup_cells, deadline)
     else:
         leaving = [ranks[r] for r in sorted(ranks) if r >= size]
@@ -102,17 +111,22 @@ def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     return _regroup(provisioner, config, world, staying, running.private_dir, began, deadline)
 
 
-def _start_ranks(provisioner: Provisioner, slots: list[int], deadline: float) -> dict[int, layout.EngineIdentity]:
+def _start_ranks(
+    provisioner: Provisioner,
+    slots: list[int],
+    deadline: float,
+    staying: list[RankInfo],
+    replacing: Mapping[int, tuple[RankInfo, Death]] | None = None,
+) -> dict[int, layout.EngineIdentity]:
     """New processes for `slots`, once they registered."""
     known = set(provisioner.client.ids)
-    provisioner.add(slots)
+    provisioner.add(slots, staying, replacing)
     return _wait_for_new_engines(provisioner, known, slots, deadline)
 
 
 def _renumber(world: forming.WorldLayout, kept: list[layout.Placement], new: list[layout.EngineIdentity]) -> None:
-    """Place the ranks again (local rank and size per host), each keeping its number (CPU ranks)."""
-    identities = [layout.EngineIdentity(p.engine_id, p.host, p.pid, slot=p.rank) for p in kept]
-    world.placements = layout.place_ranks(identities + new, use_gpus=False)
+    """Place the ranks again, host by host (GPU ranks keep their GPU: `layout.place_again`)."""
+    world.placements = layout.place_again(kept, new)
     route = world.routes[0]
     world.routes = {p.rank: world.routes.get(p.rank, route) for p in world.placements}
 
@@ -179,6 +193,7 @@ def _wait_for_new_engines(
             )
     if sorted(found) != slots:
         raise DDPError(f"the new processes did not say they were rank(s) {', '.join(map(str, slots))}")
+    provisioner.learn(found.values())
     return found
 
 

@@ -26,8 +26,8 @@ DEFAULT_START_TIMEOUT = 90.0
 # or killed process, few enough that a cell which kills its rank every time (an out-of-memory
 # step) stops after three tries
 DEFAULT_MAX_RESTARTS = 3
-# what a world does when ranks are lost (their processes or hosts gone): auto replaces them where
-# the world can start processes (local ranks) and shrinks to the survivors elsewhere
+# what a world does when ranks are lost (their processes or hosts gone): auto replaces local ranks
+# and shrinks to the survivors elsewhere (replace there, where the launcher can: ssh, on a free slot)
 ON_LOSS_CHOICES = ("auto", "replace", "shrink", "stop")
 MAX_DEFAULT_CPU_RANKS = 4
 # CPU ranks beyond this many per core are refused (unless forced): each one would get a small
@@ -359,8 +359,9 @@ def _ranks_elsewhere(n_ranks: int | None, backend: str, gpus: object, launch: La
         n_ranks = host_total
     if n_ranks is None and launch.attach is None:
         raise DDPUsageError(f"say how many ranks to start with the {launch.launcher} launcher, e.g. %ddp_start 4")
-    if n_ranks is not None and host_total is not None and n_ranks != host_total:
-        raise DDPUsageError(f"{n_ranks} ranks asked for but the ssh hosts list {host_total} engines")
+    if n_ranks is not None and host_total is not None and n_ranks > host_total:
+        # fewer is fine: the first N slots start, the others are spare (replacements, %ddp_resize)
+        raise DDPUsageError(f"{n_ranks} ranks asked for but the ssh hosts list has slots for {host_total}")
     threads = os.environ.get("OMP_NUM_THREADS", "").strip()
     # ranks elsewhere share their host's cores with unknown neighbours: torchrun's default
     return {

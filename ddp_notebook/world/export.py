@@ -57,10 +57,10 @@ world_size = dist.get_world_size()
 device = context().device  # cuda:LOCAL_RANK on nccl, else the CPU
 '''
 
-FOOTER = '''
+FOOTER = """
 # ---- leave the group cleanly (exiting without it can abort the process)
 dist.destroy_process_group()
-'''
+"""
 
 
 def parse_selection(text: str | None) -> list[int] | None:

@@ -57,7 +57,7 @@ def wait_for_engines(provisioner: Provisioner, deadline: float) -> list[layout.E
         reports: list[Identity] = described.get(timeout=_remaining(deadline))
     except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
         raise StartError(f"the ranks did not say who they are: {one_line(failure)}") from None
-    return [
+    identities = [
         layout.EngineIdentity(
             engine_id=engine_id,
             host=report.host,
@@ -68,6 +68,8 @@ def wait_for_engines(provisioner: Provisioner, deadline: float) -> list[layout.E
         )
         for engine_id, report in zip(described.engine_id, reports)
     ]
+    provisioner.learn(identities)
+    return identities
 
 
 def place(config: WorldConfig, identities: list[layout.EngineIdentity]) -> WorldLayout:

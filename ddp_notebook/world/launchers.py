@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -205,12 +205,49 @@ def parse_setting(text: str) -> tuple[str, str, Any]:
     return class_name, trait, value
 
 
+def ssh_slots(settings: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """{host as listed: ranks it may run} of the SSH launcher's hosts list (empty: none)."""
+    engines = settings.get("SSHEngineSetLauncher", {}).get("engines") or {}
+    slots = {}
+    for host, count in engines.items():
+        if isinstance(count, Mapping):  # ipyparallel's {"n": N, trait: value} form
+            count = count.get("n", 1)
+        slots[str(host)] = int(count[0] if isinstance(count, (tuple, list)) else count)
+    return slots
+
+
+def hosts_for_new_ranks(
+    ranks: Sequence[int],
+    slots: Mapping[str, int],
+    running: Mapping[str, int],
+    lost: Collection[str] = (),
+    former: Mapping[int, str] | None = None,
+) -> dict[int, str]:
+    """rank -> the host of the list its new process starts on.
+
+    `running` counts the ranks each listed host runs now; a `lost` host takes none. A rank
+    whose process died on a host that is still there starts there again (`former`); the others
+    take the free slots of the list in its order (the slots a world smaller than its list left:
+    its spare hosts). One line, with what to do, when there is no free slot.
+    """
+    used = {host: running.get(host, 0) for host in slots}
+    plan: dict[int, str] = {}
+    for rank in ranks:
+        before = (former or {}).get(rank)
+        candidates = ([before] if before in slots else []) + list(slots)
+        host = next((h for h in candidates if h not in lost and used[h] < slots[h]), None)
+        if host is None:
+            listed = ", ".join(f"{h}:{slots[h]} ({'lost' if h in lost else f'runs {used[h]}'})" for h in slots)
+            raise DDPUsageError(
+                f"no host of the list has a free slot for rank {rank} ({listed}): list a spare host in --hosts "
+                "(%ddp_start N starts N ranks and keeps the other slots spare), or go on with the survivors "
+                "(--on-loss shrink)"
+            )
+        used[host] += 1
+        plan[rank] = host
+    return plan
+
+
 def ssh_host_total(settings: Mapping[str, Mapping[str, Any]]) -> int | None:
-    """How many engines the SSH launcher's host list starts (None: no host list)."""
-    engines = settings.get("SSHEngineSetLauncher", {}).get("engines")
-    if not engines:
-        return None
-    total = 0
-    for count in engines.values():
-        total += count[0] if isinstance(count, (tuple, list)) else int(count)
-    return total
+    """How many ranks the SSH launcher's hosts list has slots for (None: no host list)."""
+    return sum(ssh_slots(settings).values()) or None

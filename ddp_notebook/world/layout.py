@@ -92,6 +92,75 @@ def place_ranks(engines: Sequence[EngineIdentity], use_gpus: bool) -> list[Place
     return placements
 
 
+def place_again(kept: Sequence[Placement], new: Sequence[EngineIdentity]) -> list[Placement]:
+    """The ranks of a world that lost ranks, shrank or grew: the kept ranks in their old order,
+    then the new ones by slot, numbered again host by host (rank 0 on the first host).
+
+    CPU ranks count their local ranks again on each host. A GPU rank that stays keeps its GPU
+    and its LOCAL_RANK: its tensors and CUDA context live on that device (LOCAL_RANKs on a host
+    may then skip a number). A new GPU rank takes the first GPU it sees that no rank on its
+    host holds, as CUDA device LOCAL_RANK = that GPU's place in its CUDA_VISIBLE_DEVICES.
+    """
+    on_gpus = any(p.gpu is not None for p in kept)
+    members: dict[str, list[tuple[int, int, str | None, int]]] = {}  # host -> (engine, pid, gpu, local rank)
+    for placement in kept:
+        members.setdefault(placement.host, []).append(
+            (placement.engine_id, placement.pid, placement.gpu, placement.local_rank)
+        )
+    for engine in sorted(new, key=lambda e: e.slot if e.slot is not None else 1 << 30):
+        held = members.setdefault(engine.host, [])
+        if not on_gpus:
+            held.append((engine.engine_id, engine.pid, None, 0))
+            continue
+        taken = {gpu for _, _, gpu, _ in held}
+        free = [index for index, gpu in enumerate(engine.gpus) if gpu not in taken]
+        if not free:
+            raise DDPUsageError(
+                f"host {engine.host} has no free GPU for a new rank: its ranks hold "
+                f"{', '.join(sorted(str(gpu) for gpu in taken))} of the {len(engine.gpus)} it sees"
+            )
+        held.append((engine.engine_id, engine.pid, engine.gpus[free[0]], free[0]))
+    placements = []
+    for group_rank, (host, ranks) in enumerate(members.items()):
+        for position, (engine_id, pid, gpu, local_rank) in enumerate(ranks):
+            placements.append(
+                Placement(
+                    rank=len(placements),
+                    engine_id=engine_id,
+                    host=host,
+                    pid=pid,
+                    local_rank=local_rank if on_gpus else position,
+                    local_world_size=len(ranks),
+                    group_rank=group_rank,
+                    gpu=gpu,
+                )
+            )
+    return placements
+
+
+def grown_gpus(size: int, world_gpus: Sequence[str], held: Sequence[str], machine: Sequence[str]) -> tuple[str, ...]:
+    """The GPUs the processes of a local world of `size` GPU ranks see: the world's own list,
+    then, where its free ones do not suffice, this machine's GPUs the world has not used, in
+    the machine's order. Appending keeps every running rank's CUDA device numbers valid (its
+    list is a prefix of the new one). One line, with the most it can be, when there are too few.
+    """
+    wanted = size - len(held)
+    free = [gpu for gpu in world_gpus if gpu not in held]
+    if wanted <= len(free):
+        return tuple(world_gpus)
+    others = [gpu for gpu in machine if gpu not in world_gpus]
+    missing = wanted - len(free)
+    if missing > len(others):
+        unused = free + others
+        can = len(held) + len(unused)
+        return_hint = f"%ddp_resize {can} at most" if can > len(held) else "no rank can be added"
+        raise DDPUsageError(
+            f"{size} GPU ranks need {wanted} more GPU(s) and this machine has {len(unused)} free "
+            f"({', '.join(unused) if unused else 'its ranks hold ' + ', '.join(held)}): {return_hint}"
+        )
+    return (*world_gpus, *others[:missing])
+
+
 def _launcher_order(engine: EngineIdentity) -> tuple[int, int]:
     launcher_rank = engine.launcher_rank if engine.launcher_rank is not None else 1 << 30
     return (launcher_rank, engine.engine_id)

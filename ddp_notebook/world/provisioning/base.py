@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import DDPUsageError
@@ -57,12 +57,31 @@ class Provisioner(ABC):
         """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""
         return None
 
+    # the GPUs CUDA_VISIBLE_DEVICES lists for ranks started here (--gpus, grown by a resize)
+    world_gpus: tuple[str, ...] = ()
+
     # whether `add` can start ranks in a running world (a lost one is then replaced, not shrunk around)
     starts_ranks = False
 
-    def add(self, slots: Iterable[int]) -> None:
-        """Start more rank processes for the given slots (ranks), to join the world."""
+    def add(
+        self,
+        slots: Iterable[int],
+        staying: Sequence[RankInfo] = (),
+        replacing: Mapping[int, tuple[RankInfo, Death]] | None = None,
+    ) -> None:
+        """Start more rank processes for the given slots (ranks), to join the world; `staying` are
+        the ranks that go on running, `replacing` the lost rank each new one replaces, with how
+        it was lost (where the provisioner chooses hosts, a lost host takes none)."""
         raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")
+
+    def learn(self, identities: Iterable[Any]) -> None:
+        """Called with the `EngineIdentity` of every engine that registered (its host and PID)."""
+        return None  # only a provisioner that chooses hosts needs to know where each engine runs
+
+    def prepare_gpus(self, size: int, held: Sequence[str]) -> None:
+        """Before ranks are added to a world of GPU ranks (`held` are the GPUs its ranks use), let
+        the new processes see GPUs for a world of `size`; ranks started elsewhere see their host's."""
+        return None  # nothing to choose here: a launcher's new ranks see every GPU of their host
 
     def remove(self, ranks: Iterable[RankInfo]) -> None:
         """End the processes of `ranks` (a world shrinking); the others keep running."""

@@ -159,4 +159,12 @@ def launched_pids(cluster: Any) -> list[int]:
         # a set of local engines has one launcher per engine; mpiexec is one for all
         per_engine = getattr(engine_set, "launchers", None)
         launchers.extend(per_engine.values() if per_engine is not None else [engine_set])
-    return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0]
+    # an SSH launcher's PID is its process's on the other host: never one to signal here
+    return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0 and not runs_elsewhere(launcher)]
+
+
+def runs_elsewhere(launcher: Any) -> bool:
+    """True for a launcher whose process runs on another host (SSH): its `pid` is that host's."""
+    from ipyparallel.cluster.launcher import SSHLauncher
+
+    return isinstance(launcher, SSHLauncher)

@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ...platform.processes import SLOT_ENV
+from ...wire.results import Death, RankInfo
 from .. import launchers
 from ..config import is_loopback
-from .controlled import ControlledProvisioner
+from .controlled import ControlledProvisioner, runs_elsewhere
+
+log = logging.getLogger("ddp_notebook")
 
 # the one engine set of a world whose launcher starts all ranks at once
 WORLD_ENGINE_SET = "world"
+# launchers that can start one more rank on a chosen host of the list while the world runs
+ADDS_RANKS = ("ssh",)
+# how long ranks asked to leave (a resize) may take before they are killed
+LEAVE_SECONDS = 10.0
 
 
 class LauncherProvisioner(ControlledProvisioner):
     """The controller here; every rank started by the launcher named in the world's config."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # (hostname, pid) of a rank process -> the host of the --hosts list it was started on
+        self.listed_host: dict[tuple[str, int], str] = {}
+        self._engine_sets = itertools.count(1)
+
+    @property
+    def starts_ranks(self) -> bool:  # type: ignore[override]
+        return self.config.launch.launcher in ADDS_RANKS
 
     def start(self) -> Any:
         from traitlets.config import Config
@@ -29,20 +53,90 @@ class LauncherProvisioner(ControlledProvisioner):
             **({"profile": launch.profile} if launch.profile else {}),
         )
         # the connection info (with the key) goes to the engines in their environment, so no
-        # file has to be copied to their hosts; the nanny lets ranks elsewhere be interrupted
+        # file has to be copied to their hosts; the nanny lets ranks elsewhere be interrupted.
+        # An SSH hosts list with more slots than ranks starts the first ones (n is its limit).
         self.cluster.start_engines_sync(
             n=self.expected_ranks(),
             engine_set_id=WORLD_ENGINE_SET,
-            environment={
-                **cfg.env,
-                **self.owner_environment(),
-                "OMP_NUM_THREADS": str(cfg.threads_per_rank),
-                "PYTHONUNBUFFERED": "1",
-            },
+            environment=self._environment(),
             engine_cmd=self.engine_command(launch.python),
         )
         self.client = self.cluster.connect_client_sync()
         return self.client
+
+    def _environment(self) -> dict[str, str]:
+        cfg = self.config
+        return {
+            **cfg.env,
+            **self.owner_environment(),
+            "OMP_NUM_THREADS": str(cfg.threads_per_rank),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def learn(self, identities: Iterable[Any]) -> None:
+        """Which host of the list each engine runs on: its launcher's remote PID is its process."""
+        if self.cluster is None:
+            return
+        listed: dict[int, list[tuple[str, str]]] = {}  # pid -> [(host as listed, its hostname)]
+        for engine_set in self.cluster.engines.values():
+            for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items():
+                if runs_elsewhere(launcher) and getattr(launcher, "pid", -1) > 0:
+                    host = str(identifier).rpartition("/")[0]  # ipyparallel names them HOST/INDEX
+                    listed.setdefault(launcher.pid, []).append((host, str(getattr(launcher, "hostname", ""))))
+        for identity in identities:
+            candidates = listed.get(identity.pid, [])
+            # PIDs of different hosts may coincide: the launcher whose hostname is the rank's wins
+            named = [host for host, name in candidates if name.split(".")[0] == identity.host.split(".")[0]]
+            found = named or [host for host, _ in candidates]
+            if len(found) == 1:
+                self.listed_host[(identity.host, identity.pid)] = found[0]
+
+    def add(
+        self,
+        slots: Iterable[int],
+        staying: Sequence[RankInfo] = (),
+        replacing: Mapping[int, tuple[RankInfo, Death]] | None = None,
+    ) -> None:
+        if not self.starts_ranks:
+            super().add(slots)
+        replacing = replacing or {}
+        where = self.listed_host
+        running = Counter(where.get((info.host, info.pid), "") for info in staying)
+        # a rank lost without a word (no heartbeat) may have lost its host: none goes there
+        lost = {where.get((info.host, info.pid), "") for info, death in replacing.values() if death.cause == "lost"}
+        former = {
+            rank: where[(info.host, info.pid)]
+            for rank, (info, death) in replacing.items()
+            if death.cause != "lost" and (info.host, info.pid) in where
+        }
+        slots_of_list = launchers.ssh_slots(self.config.launch.settings)
+        plan = launchers.hosts_for_new_ranks(list(slots), slots_of_list, running, lost, former)
+        for rank, host in plan.items():
+            # one engine set per new rank, so that its slot (the rank it is for) is in its environment
+            self.cluster.start_engines_sync(
+                n=1,
+                engine_set_id=f"rank-{rank}-{next(self._engine_sets)}",
+                engines={host: 1},
+                environment={**self._environment(), SLOT_ENV: str(rank)},
+                engine_cmd=self.engine_command(self.config.launch.python),
+            )
+
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        """Ranks leave a resized world: asked to exit through the controller, killed if they do not."""
+        infos = list(ranks)
+        ids = [info.engine_id for info in infos]
+        if not ids or self.client is None:
+            return
+        try:
+            self.client.shutdown(targets=ids, block=False)
+        except Exception:
+            log.debug("asking ranks %s to exit failed", ids, exc_info=True)
+        deadline = time.monotonic() + LEAVE_SECONDS
+        while set(ids) & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [info for info in infos if info.engine_id in set(self.client.ids)]
+        if left:
+            self.signal(left, signal.SIGKILL)
 
     def start_failure(self) -> str | None:
         return self.describe_start_exit(f"the {self.config.launch.launcher} launcher", WORLD_ENGINE_SET)

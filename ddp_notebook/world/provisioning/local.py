@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import StartError
@@ -48,6 +48,10 @@ class LocalProvisioner(ControlledProvisioner):
         # process's cgroup): a rank found killed later is named for what killed it
         self.platform = limits.Platform()
         self.oom_before: limits.OomCounts | None = None
+        # what CUDA_VISIBLE_DEVICES lists for every rank started here: the world's GPUs, in
+        # order; a resize appends free GPUs of this machine, so a running rank's list stays a
+        # prefix of it and its CUDA device numbers keep their meaning
+        self.world_gpus: tuple[str, ...] = tuple(config.gpus)
 
     def start(self) -> Any:
         self.oom_before = self.platform.oom_counts()
@@ -92,7 +96,12 @@ class LocalProvisioner(ControlledProvisioner):
 
     starts_ranks = True
 
-    def add(self, slots: Iterable[int]) -> None:
+    def add(
+        self,
+        slots: Iterable[int],
+        staying: Sequence[RankInfo] = (),
+        replacing: Mapping[int, tuple[RankInfo, Death]] | None = None,
+    ) -> None:
         forked = {"template": self.template} if self.template is not None else {}
         for slot in slots:
             self.cluster.start_engines_sync(
@@ -121,6 +130,10 @@ class LocalProvisioner(ControlledProvisioner):
                     self.cluster.engines.pop(engine_set, None)
         processes.kill_survivors([info.pid for info in infos])
 
+    def prepare_gpus(self, size: int, held: Sequence[str]) -> None:
+        if self.world_gpus:
+            self.world_gpus = layout.grown_gpus(size, self.world_gpus, held, devices.visible_gpus())
+
     def rank_environment(self, slot: int) -> dict[str, str]:
         """The environment rank `slot` starts with (the torchrun contract comes when it joins)."""
         cfg = self.config
@@ -131,10 +144,10 @@ class LocalProvisioner(ControlledProvisioner):
             "OMP_NUM_THREADS": str(cfg.threads_per_rank),
             "PYTHONUNBUFFERED": "1",
         }
-        visible = layout.gpu_visibility(cfg.gpus, bool(devices.visible_gpus()))
+        visible = layout.gpu_visibility(self.world_gpus, bool(devices.visible_gpus()))
         if visible is not None:
             environment["CUDA_VISIBLE_DEVICES"] = visible
-            if cfg.gpus and "CUDA_DEVICE_ORDER" not in os.environ:
+            if self.world_gpus and "CUDA_DEVICE_ORDER" not in os.environ:
                 # --gpus numbers GPUs as nvidia-smi does (PCI order); CUDA's default order puts the
                 # fastest first, which differs on machines with mixed GPU models
                 environment.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
