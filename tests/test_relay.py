@@ -4,12 +4,14 @@ ranks, and how it ends. No processes (the integration tests run the same paths o
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from ddp_notebook.cell.outcome import Ending
 from ddp_notebook.cell.output import LineAssembler
-from ddp_notebook.cell.relay import CellRelay, OutputSink
+from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, CellRelay, OutputSink
 from ddp_notebook.cell.xray import RankCollectives
 from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 
@@ -97,7 +99,8 @@ class FakeSupervisor:
     def release_blocked(self, ranks: tuple[int, ...]) -> None:
         self.calls.append(("release_blocked", ranks))
         for rank in ranks:
-            self.ranks.reply(rank, "Connection closed by peer")
+            if rank not in self.dead:  # a dead rank's process answers nothing
+                self.ranks.reply(rank, "Connection closed by peer")
 
     def debug(self, rank: int) -> None:
         raise AssertionError("no rank waits in pdb here")
@@ -110,8 +113,15 @@ class StuckElsewhere(FakeSupervisor):
         self.calls.append(("release_blocked", ranks))
 
 
+class _InlineLoop:
+    """The client's IO loop, as the relay uses it (ipp_adapter.on_io_thread): runs callbacks at once."""
+
+    def add_callback(self, callback: Any) -> None:
+        callback()
+
+
 def _relay(size: int) -> tuple[CellRelay, FakeCell, Ranks]:
-    relay = CellRelay(client=None, ranks=tuple(range(size)))
+    relay = CellRelay(client=SimpleNamespace(_io_loop=_InlineLoop()), ranks=tuple(range(size)))
     cell = FakeCell(size)
     # what attach() sets; its callbacks are ipyparallel's, not tested here
     relay._async_result, relay._futures = cell, list(cell._children)
@@ -140,6 +150,19 @@ def test_a_death_releases_the_survivors_at_once() -> None:
     ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
     assert ending is Ending.DONE and relay.dead == {2: killed}
     assert supervisor.calls[0] == ("release_blocked", (0, 1, 3))
+
+
+def test_survivors_that_went_idle_before_a_death_was_found_end_the_cell_at_once() -> None:
+    """Their idles woke no one (the wake-up waits for the last rank, the dead one): finding the
+    death tells the waiting thread about them, so the cell does not wait out the death grace."""
+    relay, _, ranks = _relay(3)
+    ranks.reply(0, "Connection closed by peer")
+    ranks.reply(1, "Connection closed by peer")
+    supervisor = FakeSupervisor(ranks, dead={2: Death("signal", "was killed by SIGKILL", -9)})
+    began = time.monotonic()
+    ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
+    assert ending is Ending.DONE and set(relay.dead) == {2}
+    assert time.monotonic() - began < DEATH_GRACE_SECONDS / 2
 
 
 def test_a_failed_cell_that_leaves_a_rank_running_ends_as_a_failure_not_an_interrupt() -> None:

@@ -62,6 +62,74 @@ def test_ranks_here_are_reached_by_their_socket_and_ranks_elsewhere_over_tcp_wit
     assert spread.key == xray_wire.world_key(str(tmp_path))
 
 
+# a rank process's X-ray server over TCP, as a rank on another host runs it
+RANK_SERVER = """
+import sys, time
+from ddp_notebook.rank import xray
+address = xray.serve_tcp("127.0.0.1", bytes.fromhex(sys.argv[1]))
+print(address[0], address[1], flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path: Path) -> None:
+    """The rank holds the signed watch connection open for its life; its end closes it."""
+    import subprocess
+    import sys
+
+    from ddp_notebook.cell.xray import ProcessWatch
+
+    key = xray_wire.world_key(str(tmp_path))
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK_SERVER, key.hex()], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    watch, stranger = ProcessWatch(), ProcessWatch()
+    try:
+        addresses = []
+        for process in ranks:
+            host, port = (process.stdout.readline() if process.stdout else "").split()
+            addresses.append((host, int(port)))
+        infos = [
+            RankInfo(r, r, "node2", process.pid, "cpu", "cpu", None, xray_address=address)
+            for r, (process, address) in enumerate(zip(ranks, addresses))
+        ]
+        reach = Reach(str(tmp_path), dict(enumerate(addresses)), key)
+        watch.watch(reach, infos)  # as the world forms
+        assert len(watch._held) == 2
+        assert watch.ended(reach, infos) == {}
+        time.sleep(0.3)
+        assert watch.ended(reach, infos) == {}  # alive: the connections stay open and quiet
+        # a notebook without the world's key is refused: nothing is held for it
+        assert (
+            stranger.ended(Reach(str(tmp_path), dict(enumerate(addresses)), b"k" * xray_wire.KEY_BYTES), infos) == {}
+        )
+        assert stranger._held == {}
+        ranks[1].kill()
+        ranks[1].wait(10)
+        began, ended = time.monotonic(), {}
+        while not ended and time.monotonic() - began < 5:
+            ended = watch.ended(reach, infos)
+            time.sleep(0.05)
+        assert ended == {1: "ended"}, "the end of rank 1's process was not seen"
+        assert time.monotonic() - began < 1.0
+        assert watch.ended(reach, infos[:1]) == {}  # rank 0 lives on
+        # a notebook that had not watched it yet: its host refuses the connection to a closed port
+        late = ProcessWatch()
+        try:
+            assert late.ended(reach, infos) == {1: "ended"}
+        finally:
+            late.close()
+    finally:
+        watch.close()
+        stranger.close()
+        for process in ranks:
+            process.kill()
+            process.wait(10)
+
+
 # ---------------------------------------------------------------- the verdict (pure logic)
 
 

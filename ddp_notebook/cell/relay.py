@@ -239,6 +239,12 @@ class CellRelay:
         if len(self._idle_seen) == len(self._ranks) or self.dead:
             self._queue.put(("idle", tuple(self._idle_seen)))
 
+    def _tell_idle_so_far(self) -> None:
+        """A rank was found dead: the survivors that went idle before (their wake-up waited for
+        the last rank, which never comes) are told to the waiting thread, queued on the IO thread
+        behind what it already handled."""
+        on_io_thread(self._client, lambda: self._queue.put(("idle", tuple(self._idle_seen))))
+
     def _catch_up(self, rank: int, future: Any) -> None:
         metadata = future.output.metadata
         for stream in ("stdout", "stderr"):
@@ -328,6 +334,7 @@ class CellRelay:
             clock.next_death_check = now + DEATH_CHECK_SECONDS
             self.dead = supervisor.find_dead(self._ranks)
             if self.dead:
+                self._tell_idle_so_far()
                 # only the dead rank's neighbours see its sockets close: the survivors still in a
                 # collective shut theirs, so none waits for the collective timeout
                 survivors = tuple(rank for rank in self.unfinished() if rank not in self.dead)

@@ -100,6 +100,21 @@ class MemoryWatch:
         return text + "; at 100% the out-of-memory killer ends the largest process"
 
 
+def _remote_death(host: str, how: str) -> Death:
+    """A rank on another host gone, as its watch connection showed it (`xray.ProcessWatch`)."""
+    if how == xray.SILENT:
+        return Death(
+            "lost",
+            f"on {host} was lost (its host stopped answering for {xray.WATCH_SILENT_SECONDS} s: the host or its "
+            "network went down)",
+        )
+    return Death(
+        "exited",
+        f"on {host} ended: its connection to the notebook closed (the process exited or was killed; its host "
+        "still answers)",
+    )
+
+
 class WorldSupervisor:
     """Answers the relay's questions about one running world."""
 
@@ -115,6 +130,7 @@ class WorldSupervisor:
         self._ranks = ranks  # the current rank map (it changes when the world heals)
         self.stack_dir = stack_dir
         self.memory = MemoryWatch()
+        self.process_watch = xray.ProcessWatch()  # ranks elsewhere: their process's end, in a death check
 
     def _infos(self, ranks: tuple[int, ...]) -> list[RankInfo]:
         current = self._ranks()
@@ -127,7 +143,23 @@ class WorldSupervisor:
         lost = self.controller.lost()
         if lost is not None:
             return {rank: Death("unreachable", f"cannot be reached: {lost}") for rank in ranks}
-        return self.provisioner.dead_ranks(self._infos(ranks))
+        infos = self._infos(ranks)
+        # ranks elsewhere first: their watch connection tells a process's end from a silent host
+        reach = self.reach()
+        seen = self.process_watch.ended(reach, infos) if reach is not None and reach.remote else {}
+        dead = {rank: _remote_death(next(i.host for i in infos if i.rank == rank), how) for rank, how in seen.items()}
+        dead.update(self.provisioner.dead_ranks([info for info in infos if info.rank not in dead]))
+        return dead
+
+    def watch_ranks(self) -> None:
+        """Open the watch connections of ranks on other hosts not watched yet (the world formed)."""
+        reach = self.reach()
+        if reach is not None and reach.remote:
+            self.process_watch.watch(reach, list(self._ranks().values()))
+
+    def close(self) -> None:
+        """Let go of what the supervisor holds open (the world ends)."""
+        self.process_watch.close()
 
     def check_memory(self, ranks: tuple[int, ...]) -> MemoryReading | None:
         """The memory of `ranks` on this host against their limit, warning once per crossing."""

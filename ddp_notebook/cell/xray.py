@@ -15,7 +15,9 @@ every step, never gives one. Imports nothing of torch.
 
 from __future__ import annotations
 
+import errno
 import json
+import selectors
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -35,6 +37,14 @@ ANSWER_SECONDS = 1.0
 CONFIRM_SECONDS = 1.0
 # ranks on other hosts asked side by side in one reading
 REMOTE_ASKS_AT_ONCE = 16
+# a rank whose watch connection could not be opened is tried again this much later
+WATCH_RETRY_SECONDS = 5.0
+# opening one: short, since a death check waits for it (a rank that answers does in milliseconds)
+WATCH_CONNECT_SECONDS = 0.5
+# keepalive on a watch connection: probes after 2 s of quiet, one a second, 3 unanswered = silent
+# (about 5 s; the controller's heartbeat takes 10 s to drop a rank)
+KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES = 2, 1, 3
+WATCH_SILENT_SECONDS = KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_PROBES
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,122 @@ def _ask_elsewhere(address: tuple[str, int], key: bytes, request: dict[str, Any]
         challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
         connection.sendall(xray_wire.line(xray_wire.signed(key, challenge, xray_wire.ASK, request)))
         return xray_wire.verified(key, challenge, xray_wire.ANSWER, json.loads(reader.readline()))
+
+
+class ProcessWatch:
+    """One held `watch` connection per rank on another host: when the rank's process ends, its
+    host closes the connection, and `ended` names the rank at the next death check, where the
+    controller's heartbeat takes about 10 s. A host that goes silent (power, network) closes
+    nothing: the heartbeat names that one."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> its connection
+        self._selector = selectors.DefaultSelector()
+        self._tried: dict[tuple[str, int], float] = {}
+
+    def watch(self, reach: Reach, infos: Iterable[RankInfo]) -> None:
+        """Open the connections of the ranks among `infos` on other hosts not watched yet."""
+        remote = [i for i in infos if i.rank in reach.remote and (i.host, i.pid) not in self._held]
+        self._open(reach, remote)
+
+    def ended(self, reach: Reach, infos: Iterable[RankInfo]) -> dict[int, str]:
+        """The ranks among `infos` on other hosts that are gone, each with how it was seen: ENDED
+        (its host closed the connection or refused a new one: the process is gone, the host
+        answers) or SILENT (its host stopped answering the connection's keepalive probes)."""
+        remote = {(i.host, i.pid): i for i in infos if i.rank in reach.remote}
+        refused = self._open(reach, [i for key, i in remote.items() if key not in self._held])
+        gone = {info.rank: ENDED for info in refused}
+        for selected, _ in self._selector.select(timeout=0) if self._held else []:
+            key = selected.data
+            verdict = _verdict(selected.fileobj)  # type: ignore[arg-type]
+            if verdict is None:
+                continue
+            if key in remote:
+                gone[remote[key].rank] = verdict
+            self._drop(key)
+        return gone
+
+    def _open(self, reach: Reach, infos: list[RankInfo]) -> list[RankInfo]:
+        """Open watch connections to `infos` (those not tried lately); returns the ones refused."""
+        now = time.monotonic()
+        due = [i for i in infos if now - self._tried.get((i.host, i.pid), -WATCH_RETRY_SECONDS) >= WATCH_RETRY_SECONDS]
+        if not due:
+            return []
+        for info in due:
+            self._tried[(info.host, info.pid)] = now
+        with ThreadPoolExecutor(max_workers=min(REMOTE_ASKS_AT_ONCE, len(due))) as pool:
+            opened = list(pool.map(lambda i: _watch(reach.remote[i.rank], reach.key), due))
+        refused = []
+        for info, connection in zip(due, opened):
+            if connection is REFUSED:
+                refused.append(info)
+            elif isinstance(connection, socket.socket):
+                key = (info.host, info.pid)
+                self._held[key] = connection
+                self._selector.register(connection, selectors.EVENT_READ, key)
+        return refused
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        connection = self._held.pop(key, None)
+        if connection is not None:
+            self._selector.unregister(connection)
+            connection.close()
+
+    def close(self) -> None:
+        for key in list(self._held):
+            self._drop(key)
+        self._selector.close()
+
+
+REFUSED = "refused"  # _watch: the host answered and nothing listens on the rank's port
+ENDED, SILENT = "ended", "silent"  # how ProcessWatch saw a rank go
+# errors of a watch connection whose peer host stopped answering (keepalive probes unanswered)
+_SILENT_ERRORS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+
+
+def _verdict(connection: socket.socket) -> str | None:
+    """What a watch connection that became readable says: ENDED, SILENT, or None (still open)."""
+    error = connection.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if error:
+        return SILENT if error in _SILENT_ERRORS else ENDED
+    try:
+        data = connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as failure:
+        return SILENT if failure.errno in _SILENT_ERRORS else ENDED
+    return ENDED if data == b"" else None  # the rank never writes on it: data is no verdict
+
+
+def _watch(address: tuple[str, int], key: bytes) -> socket.socket | str | None:
+    """A connection the rank at `address` holds open for its process's life; REFUSED when its
+    host refuses the connection (the process that listened there is gone); None otherwise."""
+    try:
+        connection = socket.create_connection(address, timeout=WATCH_CONNECT_SECONDS)
+    except ConnectionRefusedError:
+        return REFUSED
+    except OSError:
+        return None
+    # the host's kernel answers keepalive probes whatever its process does (busy, stopped): a
+    # host that goes silent fails them within about WATCH_SILENT_SECONDS, before the heartbeat
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive timing holds
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_SECONDS)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_SECONDS)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    try:
+        reader = connection.makefile("r", encoding="utf8")
+        challenge = bytes.fromhex(json.loads(reader.readline())["challenge"])
+        request = dict(messages.watch_request())
+        connection.sendall(xray_wire.line(xray_wire.signed(key, challenge, xray_wire.ASK, request)))
+        answer = xray_wire.verified(key, challenge, xray_wire.ANSWER, json.loads(reader.readline()))
+        reader.close()
+        if isinstance(answer, dict) and answer.get("watching") is True:
+            return connection
+    except (OSError, ValueError, KeyError):
+        pass
+    connection.close()
+    return None
 
 
 def read_ranks(reach: Reach, ranks: Iterable[int], full: bool = True) -> dict[int, RankCollectives]:

@@ -98,6 +98,7 @@ class XrayServer:
     group_made_ns: int = 0  # when the current default group was made (flight recorder clock)
     default_pg_id: Any = None  # the flight recorder's id of the current default group
     pending: tuple[int, float] | None = None  # a collective seen starting: (its count, when)
+    watchers: list[socket.socket] = field(default_factory=list)  # held open for the notebook (`watch`)
 
 
 @dataclass

@@ -38,6 +38,8 @@ FLIGHT_RECORDER_SIZE = "20"
 REPORTED_HISTORY = 5
 # a collective still running after this long is read from the recorder in a light report
 STABLE_SECONDS = 0.2
+# watch connections held at once (a notebook holds one; a new one after a reconnect replaces it)
+MAX_WATCHERS = 4
 # how the flight recorder names the default group (subgroups from new_group have names of their own)
 _DEFAULT_GROUP = "default_pg"
 
@@ -100,19 +102,33 @@ def _answer_forever(server: socket.socket, key: bytes | None) -> None:
             connection, _ = server.accept()
         except OSError:
             return
-        with connection:
-            connection.settimeout(2.0)
+        connection.settimeout(2.0)
+        keep = False
+        try:
+            keep = _answer_one(connection, key)
+        except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
             try:
-                _answer_one(connection, key)
-            except Exception as failure:  # noqa: BLE001  (a bad request must not end the thread)
-                try:
-                    connection.sendall(xray_wire.line(dict(messages.error_answer(repr(failure)))))
-                except OSError:
-                    pass
+                connection.sendall(xray_wire.line(dict(messages.error_answer(repr(failure)))))
+            except OSError:
+                pass
+        if keep:
+            _hold(connection)
+        else:
+            connection.close()
 
 
-def _answer_one(connection: socket.socket, key: bytes | None) -> None:
-    """One request, one answer; signed both ways where `key` is given (TCP), else as they come."""
+def _hold(connection: socket.socket) -> None:
+    """Keep a watch connection open until this process ends (its end closes it: the notebook's
+    sign that the process is gone). A few at most: a notebook that watches again replaces its old one."""
+    watchers = RANK.xray.watchers
+    watchers.append(connection)
+    while len(watchers) > MAX_WATCHERS:
+        watchers.pop(0).close()
+
+
+def _answer_one(connection: socket.socket, key: bytes | None) -> bool:
+    """One request, one answer; signed both ways where `key` is given (TCP), else as they come.
+    True when the connection is a verified watch, to be held open."""
     reader = connection.makefile("r", encoding="utf8")
     challenge = b""
     if key is None:
@@ -123,11 +139,13 @@ def _answer_one(connection: socket.socket, key: bytes | None) -> None:
         request = xray_wire.verified(key, challenge, xray_wire.ASK, json.loads(reader.readline() or "{}"))
         if request is None:
             connection.sendall(xray_wire.line(dict(messages.error_answer(xray_wire.REFUSED))))
-            return
-    answer = answer_request(request)
+            return False
+    watch = key is not None and request.get("ask") == "watch" and messages.version_problem(request) is None
+    answer: messages.Answer = {"v": messages.XRAY_VERSION, "watching": True} if watch else answer_request(request)
     if key is not None:
-        answer = xray_wire.signed(key, challenge, xray_wire.ANSWER, answer)  # type: ignore[arg-type]
+        answer = xray_wire.signed(key, challenge, xray_wire.ANSWER, answer)  # type: ignore[arg-type, assignment]
     connection.sendall(xray_wire.line(answer))  # type: ignore[arg-type]
+    return watch
 
 
 def answer_request(request: messages.Request) -> messages.Answer:
@@ -145,6 +163,8 @@ def answer_request(request: messages.Request) -> messages.Answer:
         return SESSION.answer(request.get("line"))
     if request["ask"] == "stack":
         return {"v": messages.XRAY_VERSION, "frames": main_thread_frames()}
+    if request["ask"] == "watch":  # only over the signed TCP line, where the connection is held
+        return messages.error_answer("watch is answered on the signed TCP line of a rank on another host")
     return messages.error_answer(f"unknown request {request.get('ask')!r}")
 
 

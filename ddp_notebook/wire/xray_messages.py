@@ -52,7 +52,15 @@ class DebugRequest(TypedDict):
     line: str | None
 
 
-Request = ReportRequest | ReleaseRequest | StackRequest | DebugRequest
+class WatchRequest(TypedDict):
+    """Keep this connection open for the rank's life: its closing tells the notebook the process
+    ended, sooner than the controller's heartbeat (TCP, ranks on other hosts)."""
+
+    v: int
+    ask: Literal["watch"]
+
+
+Request = ReportRequest | ReleaseRequest | StackRequest | DebugRequest | WatchRequest
 
 
 def report_request(full: bool = True) -> ReportRequest:
@@ -69,6 +77,10 @@ def stack_request() -> StackRequest:
 
 def debug_request(line: str | None) -> DebugRequest:
     return {"v": XRAY_VERSION, "ask": "debug", "line": line}
+
+
+def watch_request() -> WatchRequest:
+    return {"v": XRAY_VERSION, "ask": "watch"}
 
 
 # ---------------------------------------------------------------- answers
@@ -122,12 +134,17 @@ class DebugAnswer(_DebugBusy):
     active: bool  # the session is still open
 
 
+class WatchAnswer(TypedDict):
+    v: int
+    watching: bool  # the rank holds the connection open until its process ends
+
+
 class ErrorAnswer(TypedDict):
     v: int
     error: str
 
 
-Answer = ReportAnswer | ReleaseAnswer | StackAnswer | DebugAnswer | ErrorAnswer
+Answer = ReportAnswer | ReleaseAnswer | StackAnswer | DebugAnswer | WatchAnswer | ErrorAnswer
 
 
 def error_answer(text: str) -> ErrorAnswer:

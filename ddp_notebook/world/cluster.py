@@ -254,6 +254,7 @@ class DDPCluster:
         if world is None:
             return False
         self._leave_process_group(world)
+        world.supervisor.close()
         self._teardown(world.provisioner, world.private_dir)
         return True
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import DDPError, one_line
@@ -51,6 +51,7 @@ def bring_back(running: RunningWorld, config: WorldConfig, dead: Mapping[int, De
     lost = sorted(dead)
     survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in lost]
     replacing = {rank: (running.ranks[rank], dead[rank]) for rank in lost}
+    provisioner.end_lost(running.ranks[rank] for rank in lost if dead[rank].cause == "lost")
     started = _start_ranks(provisioner, lost, deadline, survivors, replacing)
     if all(started[rank].host == world.placements[rank].host for rank in lost):
         for rank, new in started.items():  # the same place, another process
@@ -65,7 +66,7 @@ def bring_back(running: RunningWorld, config: WorldConfig, dead: Mapping[int, De
     return _regroup(provisioner, config, world, survivors, running.private_dir, began, deadline)
 
 
-def shrink(running: RunningWorld, config: WorldConfig, lost: Iterable[int]) -> Comeback:
+def shrink(running: RunningWorld, config: WorldConfig, lost: Mapping[int, Death]) -> Comeback:
     """Go on without the ranks in `lost` (their processes or hosts are gone): the survivors form a
     group of their own number, renumbered host by host in their order, and every one goes to the
     newest snapshot all of them hold; tracked loaders deal the rest of the epoch over them.
@@ -78,6 +79,7 @@ def shrink(running: RunningWorld, config: WorldConfig, lost: Iterable[int]) -> C
     survivors = [info for rank, info in sorted(running.ranks.items()) if rank not in gone]
     if not survivors:
         raise DDPError("no rank survived")
+    running.provisioner.end_lost(running.ranks[rank] for rank in gone if lost[rank].cause == "lost")
     # a GPU survivor keeps its GPU and LOCAL_RANK: its tensors are there
     _renumber(world, [p for p in world.placements if p.rank not in gone], [])
     # rank 0 may be another process, on another host: the routes to it are planned again

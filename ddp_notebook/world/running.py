@@ -36,6 +36,7 @@ class RunningWorld:
         self.controller = ControllerLink(self.provisioner.client, self.provisioner.controller_pid)
         # the supervisor reads the rank map as it is when asked: it changes as the world heals
         self.supervisor = WorldSupervisor(self.provisioner, self.controller, lambda: self.ranks, self.private_dir)
+        self.supervisor.watch_ranks()
 
     @property
     def client(self) -> Any:
@@ -58,3 +59,4 @@ class RunningWorld:
         """The world formed its group again (a heal, a comeback, a resize): `ranks` is its rank map now."""
         self.ranks = ranks
         self._views.clear()  # engine ids may have changed
+        self.supervisor.watch_ranks()  # new processes elsewhere: watched from now on

@@ -74,6 +74,13 @@ class Provisioner(ABC):
         it was lost (where the provisioner chooses hosts, a lost host takes none)."""
         raise DDPUsageError(f"a world started with --launcher {self.config.launch.launcher} cannot add ranks")
 
+    def end_lost(self, ranks: Iterable[RankInfo]) -> None:
+        """End what is left of ranks declared lost, not seen exiting (a stopped or hung process
+        that would otherwise wake up later as a rank of no world): by PID on this host; elsewhere
+        their launcher ends them when the world stops (their host may not answer now)."""
+        here = socket.gethostname()
+        processes.kill_survivors([info.pid for info in ranks if info.host == here], wait=0.0)
+
     def learn(self, identities: Iterable[Any]) -> None:
         """Called with the `EngineIdentity` of every engine that registered (its host and PID)."""
         return None  # only a provisioner that chooses hosts needs to know where each engine runs

@@ -18,7 +18,7 @@ from ...wire.results import Death, RankInfo
 from .. import layout, spare, template
 from ..config import WorldConfig
 from .base import death_of
-from .controlled import STOP_SECONDS, ControlledProvisioner, launched_pids
+from .controlled import HEARTBEAT_MISSES, HEARTBEAT_PERIOD_MS, STOP_SECONDS, ControlledProvisioner, launched_pids
 
 log = logging.getLogger("ddp_notebook")
 # how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
@@ -197,12 +197,21 @@ class LocalProvisioner(ControlledProvisioner):
 
     def dead_ranks(self, ranks: Iterable[RankInfo]) -> dict[int, Death]:
         dead = {}
+        registered = set(self.client.ids) if self.client is not None else None
         for info in ranks:
             found = self.exit_of(engine_set_id(info.rank), info.pid)
             if found is not None:
                 before = self.oom_before
                 oom = self.platform.oom_since(before) if before is not None and found[0] == -signal.SIGKILL else None
                 dead[info.rank] = death_of(found[0], oom)
+            elif registered is not None and info.engine_id not in registered:
+                # alive but silent past the heartbeat limit (stopped, or hung where not even its
+                # heartbeat thread runs): the controller dropped it; the comeback ends its process
+                dead[info.rank] = Death(
+                    "lost",
+                    f"stopped answering the controller for {HEARTBEAT_MISSES * HEARTBEAT_PERIOD_MS / 1000:g} s "
+                    "(its process is stopped or hung; it is ended)",
+                )
         return dead
 
     def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
