@@ -103,9 +103,7 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
         time.sleep(0.3)
         assert watch.ended(reach, infos) == {}  # alive: the connections stay open and quiet
         # a notebook without the world's key is refused: nothing is held for it
-        assert (
-            stranger.ended(Reach(str(tmp_path), dict(enumerate(addresses)), b"k" * xray_wire.KEY_BYTES), infos) == {}
-        )
+        assert stranger.ended(Reach(str(tmp_path), dict(enumerate(addresses)), b"k" * xray_wire.KEY_BYTES), infos) == {}
         assert stranger._held == {}
         ranks[1].kill()
         ranks[1].wait(10)
