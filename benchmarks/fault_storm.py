@@ -15,7 +15,7 @@ Before each cell the seeded schedule draws a fault, or none (one cell in four), 
 
 After a fault the cell runs again: a dead or lost rank came back by itself, at the newest snapshot
 every survivor holds; after the others the driver brings every rank to the newest snapshot they
-share (`elastic.restore`, what a comeback does). When the time is up, the same world trains a
+share (`world.rollback()`, `%ddp_rollback`). When the time is up, the same world trains a
 fault-free copy of the run (its own variables, the same seed) for as many epochs, and every
 rank's parameters and sample log must equal it bitwise; otherwise the driver names the first
 fault after which they differ.
@@ -81,10 +81,6 @@ while {p}loader.epoch < EPOCH_END:
         {p}step += 1
 """
 PARAMS = "[p.detach().clone() for p in {p}model.parameters()]"
-RESTORE = """
-from ddp_notebook.rank import elastic as _elastic
-_elastic.restore(RESTORE_TO, 0)
-"""
 
 
 @dataclass
@@ -244,15 +240,10 @@ def _inject(world: Any, fault: Fault, storm: Storm) -> None:
 
 
 def _back_to_snapshot(world: Any) -> int | None:
-    """Every rank to the newest snapshot all of them hold; returns the steps rank 0 goes back."""
-    world.execute(
-        "from ddp_notebook.rank import elastic as _elastic\n_held = _elastic.snapshot_numbers()", stream=False
-    )
-    held = world.pull("_held")
-    common = set.intersection(*(set(numbers) for numbers in held.values()))
+    """Every rank to the newest snapshot all of them hold (`world.rollback()`, `%ddp_rollback`);
+    returns the steps rank 0 goes back."""
     before = world.pull("step", ranks=[0])[0]
-    world.push({"RESTORE_TO": max(common)})
-    world.execute(RESTORE, stream=False)
+    world.rollback()
     after = world.pull("step", ranks=[0])[0]
     return int(before) - int(after)
 

@@ -11,7 +11,9 @@
 # then writes benchmarks/results/gpu.md: the machine, each test's outcome, every figure.
 #
 # Raw outputs (JUnit XML, logs, JSON) go to $GPU_SUITE_OUT (default: test-artifacts/gpu-suite).
-# $GPU_SUITE_RANKS caps the ranks of the benchmark (default: every GPU). $PYTHON picks the
+# $GPU_SUITE_RANKS caps the ranks of the benchmark (default: every GPU); $GPU_SUITE_BENCH_ARGS adds
+# options to it (e.g. "--repeats 5 --steps 300"); $GPU_SUITE_TEST_SECONDS and
+# $GPU_SUITE_BENCH_SECONDS bound each step (default: 1800 and 1200). $PYTHON picks the
 # interpreter. Where torch sees no GPU the tests skip with their reason and nothing is written.
 # `--report-only` writes the results file again from the raw outputs already there.
 # Exits non-zero if a test or the benchmark failed.
@@ -197,7 +199,7 @@ fi
 
 status=0
 echo "== tests (tests/test_gpu.py, tests/test_device_plan.py)"
-DDP_NOTEBOOK_GPU_RESULTS="$OUT/figures" timeout --kill-after=30 1800 \
+DDP_NOTEBOOK_GPU_RESULTS="$OUT/figures" timeout --kill-after=30 "${GPU_SUITE_TEST_SECONDS:-1800}" \
     python -m pytest -p no:cacheprovider -q -rs tests/test_gpu.py tests/test_device_plan.py \
     --junitxml "$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 tests_status=${PIPESTATUS[0]}
@@ -207,8 +209,10 @@ bench_status="not run"
 if [ "$N" -ge 1 ]; then
     N="${GPU_SUITE_RANKS:-$N}"
     echo "== throughput: ddp_notebook against torchrun, nccl, $N rank(s)"
-    timeout --kill-after=30 1200 \
-        python benchmarks/run.py training --backend nccl --ranks "$N" --subjects ddp_notebook,torchrun --json "$OUT/training.json" \
+    # shellcheck disable=SC2086  (the extra options are words)
+    timeout --kill-after=30 "${GPU_SUITE_BENCH_SECONDS:-1200}" \
+        python benchmarks/run.py training --backend nccl --ranks "$N" --subjects ddp_notebook,torchrun \
+        --json "$OUT/training.json" ${GPU_SUITE_BENCH_ARGS:-} \
         2>&1 | tee "$OUT/training.log"
     bench_status=${PIPESTATUS[0]}
     [ "$bench_status" -ne 0 ] && status=1

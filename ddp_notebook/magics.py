@@ -332,6 +332,21 @@ class DDPMagics(Magics):
 
     @line_magic
     @_usage_errors
+    def ddp_rollback(self, line: str = "") -> None:
+        """Bring every rank back to the newest snapshot of the tracked state they all hold:
+        `%ddp_rollback`, after a training cell that failed or was interrupted midway."""
+        if line.strip():
+            raise DDPUsageError("%ddp_rollback takes no arguments")
+        world = self._running_world()
+        where = world.rollback()
+        if where is None:
+            print("nothing is tracked (ddp_notebook.track): there is no snapshot to go back to")
+        else:
+            seconds = world.last_rollback_seconds or 0.0
+            print(f"every rank is back at the snapshot taken at {where} ({seconds:.1f} s); run the training cell again")
+
+    @line_magic
+    @_usage_errors
     def ddp_metrics(self, line: str = "") -> Metrics:
         """What the ranks logged with ddp_notebook.log in the latest cell that logged: `m = %ddp_metrics`.
 

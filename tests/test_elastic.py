@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from ddp_notebook import DDPCluster, RankDiedError, RankError, WorldBrokenError
+from ddp_notebook import DDPCluster, DDPUsageError, RankDiedError, RankError, WorldBrokenError
 from ddp_notebook.rank.helpers import EpochDataLoader, ResumableSampler
 from tests.conftest import wait_gone
 
@@ -222,6 +224,85 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
         after = _params(world, "")
         assert all(_bitwise_equal(after[rank], params[0]) for rank in range(size))
         _spans_the_world(world, FSDP)
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+# the training cell, with a rank that raises midway instead of dying
+TRAIN_RAISING = TRAIN.replace(
+    "os.kill(os.getpid(), signal.SIGKILL)  # the others are then in the step's first collective",
+    "raise RuntimeError('stopped midway')",
+)
+SNAPSHOTS = "from ddp_notebook.rank import elastic\nelastic.snapshot_numbers()"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_a_training_cell_that_failed_midway_is_rolled_back_and_ends_bitwise_equal(no_leaks: None, size: int) -> None:
+    """A rank raises mid-epoch; the cells after it take no snapshot of that midway point (a typo's
+    failure, which trained nothing, does not stop them); `rollback()` brings every rank to the
+    newest snapshot they share, and the run ends as the uninterrupted one."""
+    assert TRAIN_RAISING != TRAIN
+    fail_at = _steps_per_epoch(size) + 3  # epoch 1, the step after the snapshot at its batch 3
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
+        reference, reference_seen = _reference(world, DDP)
+        world.execute(_build("", DDP, DROP) + TRACK, setup=True)
+        with pytest.raises(RankError, match="is not defined"):
+            world.execute("a_typo")
+        before = world.execute(SNAPSHOTS, stream=False).value_text(0)
+        after = world.execute(SNAPSHOTS, stream=False).value_text(0)
+        assert before != after, "a failed cell that trained nothing stopped the end-of-cell snapshots"
+        world.push({"KILL_RANK": size - 1, "KILL_AT": fail_at})
+        with pytest.raises(RankError, match="stopped midway"):
+            world.execute(TRAIN_RAISING.format(p="", epochs=EPOCHS))
+        held = world.execute(SNAPSHOTS, stream=False).value_text(0)
+        assert world.execute(SNAPSHOTS, stream=False).value_text(0) == held  # no snapshot of the midway point
+        assert world.rollback() == "epoch 1, batch 3"
+        assert world.pull("step") == _everyone(world, _steps_per_epoch(size) + 3)
+        _train(world, "")  # the training cell again goes on from there
+        _ends_like(world, reference, reference_seen)
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def _stop_until_dropped(world: DDPCluster, rank: int) -> None:
+    """SIGSTOP `rank`'s process while the world is idle, until the controller drops its engine."""
+    engine = world.ranks[rank].engine_id
+    assert world.provisioner is not None and world.provisioner.client is not None
+    client = world.provisioner.client
+    os.kill(world.ranks[rank].pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while engine in client.ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine not in client.ids, f"the controller still lists rank {rank}'s stopped engine"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4], ids=lambda size: f"{size}ranks")
+def test_a_rank_dropped_while_the_world_was_idle_is_named_at_the_next_push_or_pull(no_leaks: None, size: int) -> None:
+    """A rank stopped between cells past the controller's heartbeat: the next push (or pull) names
+    it, the world comes back at the snapshot, sends nothing, and the same push works again."""
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
+        world.execute("kept = rank * 10\nstep = 0\nddp_notebook.track(step=step)", setup=True)
+        world.execute("step = 5")  # the end-of-cell snapshot holds step 5
+        _stop_until_dropped(world, size - 1)
+        with pytest.raises(RankDiedError) as caught:
+            world.push({"lr": 0.1})
+        message = str(caught.value)
+        assert message.startswith(f"rank {size - 1} ") and "stopped answering the controller" in message, message
+        assert f"Rank {size - 1} came back" in message and message.endswith("nothing was sent: push again"), message
+        assert world.state == "healthy"
+        with pytest.raises(DDPUsageError, match="'lr' is not defined"):
+            world.pull("lr")
+        world.push({"lr": 0.1})
+        assert world.pull("lr") == _everyone(world, 0.1)
+        assert world.pull("step") == _everyone(world, 5)
+
+        _stop_until_dropped(world, 0)
+        with pytest.raises(RankDiedError, match="nothing was sent: pull again"):
+            world.pull("kept", ranks=[0])
+        assert world.state == "healthy"
+        # rank 0's new process replayed the setup cell; the others kept their variables
+        assert world.pull("kept") == {rank: rank * 10 for rank in range(size)}
+        assert world.pull("step") == _everyone(world, 5)
         pids = world.all_pids
     assert wait_gone(pids) == []
 
@@ -456,6 +537,26 @@ def test_a_resumed_loader_uses_each_sample_once_in_the_epoch() -> None:
     for sampler in (loader.sampler for loader in loaders):
         sampler.set_epoch(0)
     assert [list(loader.sampler) for loader in loaders] == reference
+
+
+def test_a_loader_brought_back_keeps_its_place_until_it_is_iterated() -> None:
+    """A snapshot taken between a restore and the loader's next iteration (a cell after a
+    comeback that does not train, or a training loop stopped mid-epoch with
+    `loader.resume_from(loader.position_state())`) holds the place it was brought back to: a
+    second loss restored from it goes on in the same epoch, after the same samples."""
+    data = TensorDataset(torch.arange(20))
+    loaders = _loaders(data, 2)
+    used: list[int] = []
+    _use(loaders, 2, used)
+    state = loaders[0].position_state()
+    for loader in loaders:
+        loader.resume_from(state)
+    assert [loader.position_state() for loader in loaders] == [state, state]  # not yet iterated
+    again = _loaders(data, 2)
+    for loader in again:
+        loader.resume_from(loaders[0].position_state())  # what the second restore does
+    _use(again, None, used)
+    assert sorted(used) == list(range(20)) and all(loader.epoch == 1 for loader in again)
 
 
 def test_a_resumed_epoch_draws_nothing_from_torchs_generator() -> None:

@@ -18,8 +18,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-# (ranks, seed): each seed draws at least three kinds of fault within its first five
-STORMS = [pytest.param(2, 3, id="2ranks"), pytest.param(3, 1, id="3ranks"), pytest.param(4, 2, id="4ranks")]
+# (ranks, seed): each seed draws all five kinds of fault as its first five
+STORMS = [pytest.param(2, 4, id="2ranks"), pytest.param(3, 6, id="3ranks"), pytest.param(4, 4, id="4ranks")]
+KINDS = {"kill", "raise", "skip", "interrupt", "stop"}
 
 
 @pytest.mark.parametrize(("ranks", "seed"), STORMS)
@@ -39,7 +40,7 @@ def test_a_short_storm_is_survived_and_ends_bitwise_equal(tmp_path: Path, ranks:
     storm = json.loads(out.read_text(encoding="utf8"))["storm"]
     faults = storm["faults"]
     assert len(faults) == 5, shown
-    assert len({fault["kind"] for fault in faults}) >= 3, shown
+    assert {fault["kind"] for fault in faults} == KINDS, shown
     assert [f for f in faults if not f["survived"]] == [], shown
     assert storm["equal"] is True, shown
     assert storm["leftovers"] == [], shown

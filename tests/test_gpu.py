@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_notebook import DDPCluster
+from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.errors import DDPUsageError
 from tests import test_ddp_correctness as correctness
 from tests.conftest import wait_gone
@@ -188,8 +188,9 @@ def stop_world(world: DDPCluster) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_world() -> Iterator[DDPCluster]:
-    """One rank per GPU (up to 8), nccl, shared by the tests that need no world of their own."""
-    world = start_world(need_gpus(2))
+    """One rank per GPU (up to 8; one GPU: a world of one rank, still NCCL and the device rule),
+    nccl, shared by the tests that need no world of their own."""
+    world = start_world(need_gpus(1))
     try:
         world.push({"MODEL_CODE": MODEL_CODE, "STEPS": STEPS, "BATCH": BATCH_PER_RANK, "LR": LR})
         world.execute("exec(MODEL_CODE)", stream=False)
@@ -351,6 +352,71 @@ def test_resize_past_the_gpus_of_the_machine_says_so_and_keeps_the_world() -> No
         assert world.world_size == count
         world.execute(COLLECTIVES_CODE, stream=False)
         assert set(world.pull("collectives_ok").values()) == {True}
+    finally:
+        stop_world(world)
+
+
+# a tracked run on the GPUs: dropout draws from each GPU's generator, Adam keeps GPU state;
+# {p} keeps the reference run's names apart from the tracked run's in one world
+ELASTIC_BUILD = """
+from torch.utils.data import TensorDataset
+torch.manual_seed(0)
+{p}data = TensorDataset(torch.randn(96, 4), torch.randn(96, 1), torch.arange(96))
+{p}model = ddp_notebook.prepare_model(torch.nn.Sequential(
+    torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)))
+{p}opt = torch.optim.Adam({p}model.parameters(), lr=0.01)
+{p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
+{p}step = 0
+"""
+ELASTIC_TRAIN = """
+import os, signal
+while {p}loader.epoch < 2:
+    for x, y, ids in {p}loader:
+        if rank == KILL_RANK and {p}step == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.mse_loss({p}model(x.to(device)), y.to(device))
+        {p}opt.zero_grad()
+        loss.backward()
+        {p}opt.step()
+        {p}step += 1
+{p}params = [p.detach().cpu().clone() for p in {p}model.parameters()]
+{p}where = sorted({{str(p.device) for p in {p}model.parameters()}}
+    | {{str(s.device) for st in {p}opt.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()}})
+"""
+
+
+def test_a_killed_gpu_rank_comes_back_on_its_gpu_and_ends_bitwise_equal() -> None:
+    """SIGKILL mid-epoch on the last GPU rank: its new process takes the same GPU, gets the
+    snapshot (parameters, Adam's state and the GPU generator) back onto it, and the run ends
+    bitwise equal to the uninterrupted one in the same world."""
+    n = need_gpus(1)
+    world = start_world(n, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    try:
+        world.push({"KILL_RANK": -1, "KILL_AT": -1})
+        world.execute(ELASTIC_BUILD.format(p="ref_") + ELASTIC_TRAIN.format(p="ref_"), stream=False)
+        reference = world.pull("ref_params")
+        track = "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, snapshot_every=3)"
+        world.execute(ELASTIC_BUILD.format(p="") + track, setup=True, stream=False)
+        victim = n - 1
+        old_pid = world.ranks[victim].pid
+        world.push({"KILL_RANK": victim, "KILL_AT": 96 // (4 * n) + 4})  # epoch 1, after a snapshot
+        with pytest.raises(RankDiedError, match=f"Rank {victim} came back in"):
+            world.execute(ELASTIC_TRAIN.format(p=""), stream=False)
+        assert world.ranks[victim].pid != old_pid and world.state == "healthy"
+        assert world.ranks[victim].device == f"cuda:{world.ranks[victim].local_rank}"
+        world.push({"KILL_RANK": -1})
+        world.execute(ELASTIC_TRAIN.format(p=""), stream=False)
+        ours = world.pull("params")
+        for rank in range(n):
+            assert all(torch.equal(a, b) for a, b in zip(ours[rank], reference[rank])), f"rank {rank} differs"
+        assert world.pull("where") == {info.rank: [f"cuda:{info.local_rank}"] for info in world.ranks}
+        check_placements(placements(world), n, "placement_comeback", "Device of each rank after a comeback")
+        record(
+            "comeback",
+            "A GPU rank SIGKILLed mid-epoch comes back on its GPU",
+            ["ranks", "rank killed", "parameters against the uninterrupted run", "tensors on"],
+            [[n, victim, "bitwise equal", f"cuda:{world.ranks[victim].local_rank}"]],
+        )
     finally:
         stop_world(world)
 

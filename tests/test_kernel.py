@@ -189,6 +189,13 @@ def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(ker
     assert "healthy" in out and " gone " not in out, out
     out, error = kernel.run("%%ddp\nprint('step', step)")
     assert error is None and all(f"[rank {rank}] step 5" in out for rank in range(size)), out
+    # a cell fails on rank 0 after moving the tracked step: %ddp_rollback puts every rank back
+    out, error = kernel.run("%%ddp\nstep = 7 + rank\nif rank == 0:\n    raise RuntimeError('midway')")
+    assert error == "RankError", out
+    out, error = kernel.run("%ddp_rollback")
+    assert error is None and "every rank is back at the snapshot taken at the end of a cell" in out, out
+    out, error = kernel.run("%%ddp\nprint('step', step)")
+    assert error is None and all(f"[rank {rank}] step 5" in out for rank in range(size)), out
     out, error = kernel.run("%ddp_restart")
     assert error is None and f"DDP world ready: {size} ranks" in out, out
     out, error = kernel.run("%%ddp\nrank * 3")

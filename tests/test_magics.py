@@ -43,6 +43,8 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --frobnicate", "unrecognized arguments"),
         ("%ddp_status", "no DDP world is running"),
         ("%ddp_stop now", "takes no arguments"),
+        ("%ddp_rollback now", "%ddp_rollback takes no arguments"),
+        ("%ddp_rollback", "no DDP world is running"),
         ("%ddp_restart", "no DDP world to restart"),
         ("%ddp_start 2 --launcher yarn", "launcher must be one of local, mpi, slurm, ssh"),
         ("%ddp_start 2 --launcher mpi --hosts a,b", "--hosts is for the ssh launcher; this world uses --launcher mpi"),

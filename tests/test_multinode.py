@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import warnings
 
@@ -243,35 +244,106 @@ def test_a_lost_host_is_named_the_world_goes_on_and_restart_brings_it_back_whole
             world.stop()
 
 
+# tests/test_elastic.py's tracked run (model with dropout, SGD with momentum, a loader from
+# prepare_loader, a snapshot every 3 batches), 64 samples over 2 ranks: 8 steps an epoch; a cell
+# trains until step STOP_AT (-1: to the end), mid-epoch, the next cell going on from there, and
+# sleeps PAUSE after each step
+TRAIN_UNTIL = """
+import time
+while loader.epoch < 4:
+    for x, y, ids in loader:
+        if step == STOP_AT:
+            break
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, ids.tolist())
+        seen.append(sum(gathered, []))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        time.sleep(PAUSE)
+    else:
+        continue
+    loader.resume_from(loader.position_state())  # stopped mid-epoch: the next cell goes on from here
+    break
+"""
+
+
+def _train_until(world: DDPCluster, stop_at: int, pause: float = 0.0, **options: object) -> None:
+    world.push({"STOP_AT": stop_at, "PAUSE": pause})
+    world.execute(TRAIN_UNTIL, stream=False, **options)  # type: ignore[arg-type]
+
+
 def test_a_host_whose_link_goes_down_is_named_before_the_heartbeat_and_the_world_goes_on(
     multihost_network: Network, multihost_ssh: SSHHosts
 ) -> None:
-    """Host 2's link to the bridge goes down mid-cell: no process ends, no connection closes; the
+    """Host 2's link to the bridge goes down mid-epoch: no process ends, no connection closes; the
     keepalive probes of the notebook's watch connection go unanswered and name it in about 5 s
-    (the controller's heartbeat would take 10), and the survivor goes on with its variables."""
+    (the controller's heartbeat would take 10), and the survivor trains on from the snapshot.
+    The link back, %ddp_resize grows the world onto host 2 again; the run ends bitwise equal to
+    a fault-free one in the same world with the same history of sizes (resized at the same steps)."""
+    from tests import test_elastic
+
     h2 = multihost_network[1]
     world = ssh_world(multihost_network, multihost_ssh)
+    build = test_elastic._build("", test_elastic.DDP, test_elastic.DROP) + test_elastic.TRACK
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", InsecureNetworkWarning)
         world.start()
         pids = [info.pid for info in world.ranks]
         try:
-            world.execute("kept = 'on rank 0'\nt = torch.ones(1); dist.all_reduce(t)", stream=False)
-            began = time.monotonic()
-            subprocess.run(["ip", "link", "set", h2.veth, "down"], check=True)
+            world.execute(build + "\nkept = 'on rank 0'", setup=True, stream=False)
+            _train_until(world, 11)  # epoch 1, batch 3
+            # the link goes down while both ranks train (a step every 0.1 s)
+            went_down: list[float] = []
+
+            def take_down() -> None:
+                subprocess.run(["ip", "link", "set", h2.veth, "down"], check=True)
+                went_down.append(time.monotonic())
+
+            down = threading.Timer(1.0, take_down)
+            down.start()
             try:
                 with pytest.raises(
                     RankDiedError,
                     match=rf"rank 1 on {h2.name} was lost \(its host stopped answering for 5 s.*"
                     "The world went on without rank 1",
                 ):
-                    world.execute(STEPS_FOR_10_S, timeout=60)
-                assert time.monotonic() - began < 9.5  # the heartbeat alone: 10 s, then the shrink
+                    _train_until(world, -1, pause=0.1, timeout=60)
+                ended = time.monotonic()
+                down.join()
+                assert went_down and ended - went_down[0] < 9.5  # the heartbeat alone: 10 s, then the shrink
             finally:
+                down.join()
                 subprocess.run(["ip", "link", "set", h2.veth, "up"], check=True)
             assert world.world_size == 1
-            check = "t = torch.ones(1); dist.all_reduce(t); (t.item(), kept)"
-            assert world.execute(check, stream=False).value_text(0) == "(1.0, 'on rank 0')"
+            assert world.pull("kept") == {0: "on rank 0"}
+            resumed = world.pull("step")[0]  # the snapshot the survivor went on from
+            assert resumed > 11, "the link went down before the cell trained"
+            _train_until(world, resumed + 5)  # 5 steps on one rank
+            pids += [info.pid for info in world.ranks]
+            world.resize(2)  # onto host 2's slot, free again
+            assert [info.host for info in world.ranks] == [multihost_network[0].name, h2.name]
+            pids += [info.pid for info in world.ranks]
+            _train_until(world, -1)
+            faulty = test_elastic._params(world, "")
+            faulty_seen = world.pull("seen")
+
+            # the fault-free run: the same sizes at the same steps, by resize
+            world.execute(build, setup=True, stream=False)
+            _train_until(world, 11)
+            _train_until(world, resumed)
+            world.resize(1)
+            _train_until(world, resumed + 5)
+            world.resize(2)
+            pids += [info.pid for info in world.ranks]
+            _train_until(world, -1)
+            reference = test_elastic._params(world, "")
+            assert world.pull("seen") == faulty_seen
+            for rank in (0, 1):
+                assert test_elastic._bitwise_equal(faulty[rank], reference[rank]), f"rank {rank} differs"
+            assert test_elastic._bitwise_equal(faulty[0], faulty[1])
         finally:
             world.stop()
     assert wait_gone(pids, 30) == []

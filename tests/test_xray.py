@@ -68,6 +68,8 @@ import sys, time
 from ddp_notebook.rank import xray
 address = xray.serve_tcp("127.0.0.1", bytes.fromhex(sys.argv[1]))
 print(address[0], address[1], flush=True)
+for line in sys.stdin:  # "release": what a blocked rank does when the notebook releases it
+    print(xray.release_connections(), flush=True)
 time.sleep(120)
 """
 
@@ -83,7 +85,13 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     ranks = [
-        subprocess.Popen([sys.executable, "-c", RANK_SERVER, key.hex()], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SERVER, key.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for _ in range(2)
     ]
     watch, stranger = ProcessWatch(), ProcessWatch()
@@ -102,6 +110,13 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
         assert watch.ended(reach, infos) == {}
         time.sleep(0.3)
         assert watch.ended(reach, infos) == {}  # alive: the connections stay open and quiet
+        # a released rank shuts its group's connections, not the notebook's watch
+        assert ranks[0].stdin is not None and ranks[0].stdout is not None
+        ranks[0].stdin.write("release\n")
+        ranks[0].stdin.flush()
+        ranks[0].stdout.readline()
+        time.sleep(0.3)
+        assert watch.ended(reach, infos) == {}, "releasing a rank closed the notebook's watch"
         # a notebook without the world's key is refused: nothing is held for it
         assert stranger.ended(Reach(str(tmp_path), dict(enumerate(addresses)), b"k" * xray_wire.KEY_BYTES), infos) == {}
         assert stranger._held == {}
@@ -134,6 +149,41 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
 def _rank(rank: int, *entries: tuple[int, str, bool], line: int | None = 3, shape: int = 4) -> RankCollectives:
     history = tuple(Collective(seq, op, ((shape,),), ("Float",), done, 0) for seq, op, done in entries)
     return RankCollectives(rank, history, line, True, 2_000_000_000)
+
+
+def test_a_costly_light_reading_of_the_recorder_is_reused_until_its_cost_is_paid_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 light reports a second must not slow training: a reading that took c seconds is reused
+    for c / READ_SHARE; a full report always reads afresh; a new group forgets the reading."""
+    from ddp_notebook.rank import xray as rank_xray
+    from ddp_notebook.rank.state import RANK
+
+    readings: list[bool] = []
+
+    def slow_read(full: bool) -> tuple[list[object], int]:
+        time.sleep(0.02)  # what a reading on NCCL can cost mid-training
+        readings.append(full)
+        return [], len(readings)
+
+    monkeypatch.setattr(rank_xray, "_read_collectives", slow_read)
+    monkeypatch.setattr(rank_xray, "READ_SHARE", 0.1)  # reused for about 0.2 s
+    monkeypatch.setattr(RANK.xray, "light", None)
+    assert rank_xray._collectives(False) == ([], 1)
+    assert rank_xray._collectives(False) == ([], 1)  # reused: no second reading
+    assert rank_xray._collectives(True) == ([], 2)  # a full report reads
+    assert rank_xray._collectives(False) == ([], 1) and readings == [False, True]
+    time.sleep(0.25)
+    assert rank_xray._collectives(False) == ([], 3)  # paid back: read again
+    monkeypatch.setattr(rank_xray, "READ_SHARE", 1e9)  # a cheap reading: every report reads
+    time.sleep(0.25)
+    assert [rank_xray._collectives(False)[1] for _ in range(3)] == [4, 5, 6]
+    monkeypatch.setattr(rank_xray, "_open_sockets", dict)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", rank_xray.FLIGHT_RECORDER_SIZE)
+    for name in ("sockets_before", "group_made_ns", "default_pg_id", "pending"):
+        monkeypatch.setattr(RANK.xray, name, getattr(RANK.xray, name))  # put back afterwards
+    rank_xray.before_group()
+    assert RANK.xray.light is None
 
 
 def test_ranks_in_the_same_collective_are_no_mismatch() -> None:

@@ -93,9 +93,11 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     for obj in RANK.tracked.objects.values():
         if isinstance(obj, helpers.EpochDataLoader):
             obj.after_batch = _after_batch
+    RANK.tracked.progress = _progress_mark()  # this cell began before the hook below was there
     if not RANK.tracked.hooked:
         shell = _shell()
         if shell is not None:
+            shell.events.register("pre_run_cell", _before_cell)
             shell.events.register("post_run_cell", _after_cell)
         RANK.tracked.hooked = True
 
@@ -159,6 +161,7 @@ def restore(seq: int, source: int) -> str:
     RANK.tracked.snapshots.clear()
     RANK.tracked.snapshots.append(chosen)
     RANK.tracked.seq = chosen.seq
+    RANK.tracked.diverged = False  # every rank is at this one point again
     RANK.tracked.sharded_mark = _sharded_mark() if RANK.tracked.collective else None
     return chosen.where
 
@@ -243,9 +246,18 @@ def skip_cell_snapshot() -> None:
     RANK.tracked.skip_cell = True
 
 
+def _before_cell(*_info: Any) -> None:
+    RANK.tracked.progress = _progress_mark()
+
+
 def _after_cell(result: Any) -> None:
     skip, RANK.tracked.skip_cell = RANK.tracked.skip_cell, False
-    if skip or not (RANK.tracked.objects and getattr(result, "success", False)):
+    failed = RANK.tracked.objects and not getattr(result, "success", False) and not skip
+    if failed and _progress_mark() != RANK.tracked.progress:
+        # it failed after training moved on (a step, a batch): the other ranks may have stopped
+        # elsewhere; a cell that failed before (a typo) leaves every rank where it was
+        RANK.tracked.diverged = True
+    if skip or RANK.tracked.diverged or not (RANK.tracked.objects and getattr(result, "success", False)):
         return
     if not RANK.tracked.collective:
         snapshot("the end of a cell")
@@ -262,7 +274,7 @@ def _after_cell(result: Any) -> None:
 
 
 def _after_batch(loader: helpers.EpochDataLoader) -> None:
-    if RANK.tracked.objects and loader.batches_done % RANK.tracked.every == 0:
+    if RANK.tracked.objects and not RANK.tracked.diverged and loader.batches_done % RANK.tracked.every == 0:
         snapshot(f"epoch {loader.epoch - 1}, batch {loader.batches_done}")
 
 
@@ -382,6 +394,28 @@ def _sharded_owners(objects: dict[str, Any]) -> dict[str, str]:
             raise TypeError(f"'{name}' optimizes a sharded model: track that model too (track(model=..., {name}=...))")
         owners[name] = owner
     return owners
+
+
+def _progress_mark() -> list[Any]:
+    """What training moves: the tracked models' parameters (their write counts), the tracked
+    loaders' positions and the tracked plain values (a step counter)."""
+    namespace = _namespace()
+    mark: list[Any] = []
+    for name, obj in RANK.tracked.objects.items():
+        if obj is _NAMESPACE:
+            value = namespace.get(name)
+            mark.append(
+                value
+                if isinstance(value, (int, float, str))
+                else len(value)
+                if hasattr(value, "__len__")
+                else id(value)
+            )
+        elif isinstance(obj, helpers.EpochDataLoader):
+            mark.append((obj.epoch, obj.batches_done))
+        elif isinstance(obj, torch.nn.Module):
+            mark.append([torch_adapter.write_mark(p) for p in obj.parameters()])
+    return mark
 
 
 def _sharded_mark() -> list[Any]:

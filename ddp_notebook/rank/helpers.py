@@ -144,6 +144,10 @@ class EpochDataLoader(DataLoader):
 
     def position_state(self) -> tuple[int, int, bool]:
         """(epochs started, samples of the last one's global order used, whether it is in progress)."""
+        if not self.in_epoch and self._resume_at:
+            # brought back to the middle of an epoch, not iterated since: that place (a snapshot
+            # taken now must not start the epoch over)
+            return (self.epoch + 1, self._resume_at, True)
         return (self.epoch, self.used, self.in_epoch)
 
     def resume_from(self, state: tuple[int, int, bool]) -> None:

@@ -75,6 +75,10 @@ class Tracked:
     collective: bool = False  # a tracked model is sharded: a snapshot gathers, every rank at once
     sharded_mark: Any = None  # the sharded state's write mark when it was last copied
     skip_cell: bool = False  # the running cell runs on some ranks only: no snapshot at its end
+    # a cell failed here (raised, interrupted, released): the ranks may have stopped at different
+    # steps, so no snapshot is taken until every rank goes back to a common one (`restore`)
+    diverged: bool = False
+    progress: Any = None  # what training moved when the running cell began (`_progress_mark`)
     owners: dict[str, str] = field(default_factory=dict)  # tracked optimizer over a sharded model -> that model
 
 
@@ -98,6 +102,8 @@ class XrayServer:
     group_made_ns: int = 0  # when the current default group was made (flight recorder clock)
     default_pg_id: Any = None  # the flight recorder's id of the current default group
     pending: tuple[int, float] | None = None  # a collective seen starting: (its count, when)
+    # the last light reading of the recorder, reused until its cost is paid back (`xray.READ_SHARE`)
+    light: tuple[Any, float] | None = None  # ((entries, last done), when it may be read again)
     watchers: list[socket.socket] = field(default_factory=list)  # held open for the notebook (`watch`)
 
 

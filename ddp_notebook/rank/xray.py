@@ -38,6 +38,11 @@ FLIGHT_RECORDER_SIZE = "20"
 REPORTED_HISTORY = 5
 # a collective still running after this long is read from the recorder in a light report
 STABLE_SECONDS = 0.2
+# the most of a rank's time the notebook's light reports may take: a reading of the recorder
+# that took c seconds is reused for c / READ_SHARE (on NCCL a reading holds the GIL for
+# milliseconds and, 4 times a second, cost a launch-bound GPU step 10%; gloo's takes
+# microseconds, so there every report reads afresh)
+READ_SHARE = 0.01
 # watch connections held at once (a notebook holds one; a new one after a reconnect replaces it)
 MAX_WATCHERS = 4
 # how the flight recorder names the default group (subgroups from new_group have names of their own)
@@ -50,7 +55,7 @@ def before_group() -> None:
     RANK.xray.sockets_before = frozenset(_open_sockets().items())
     # the recorder outlives groups: entries older than this belong to a group a heal replaced
     RANK.xray.group_made_ns = time.time_ns()
-    RANK.xray.default_pg_id = RANK.xray.pending = None
+    RANK.xray.default_pg_id = RANK.xray.pending = RANK.xray.light = None
 
 
 def serve(directory: str, rank: int) -> None:
@@ -198,6 +203,18 @@ def report(full: bool = True) -> messages.ReportAnswer:
 
 def _collectives(full: bool) -> tuple[list[messages.CollectiveEntry], int]:
     """(entries, sequence number of the last finished collective) of the default group."""
+    if full:
+        return _read_collectives(True)
+    now = time.monotonic()
+    if RANK.xray.light is not None and now < RANK.xray.light[1]:
+        return RANK.xray.light[0]  # type: ignore[no-any-return]
+    began = time.perf_counter()
+    found = _read_collectives(False)
+    RANK.xray.light = (found, now + (time.perf_counter() - began) / READ_SHARE)
+    return found
+
+
+def _read_collectives(full: bool) -> tuple[list[messages.CollectiveEntry], int]:
     progress = _default_group_progress()
     if progress is None:  # unknown until this group's first collective is in the recorder
         entries = _flight_recorder_entries()
@@ -317,10 +334,13 @@ def _main_thread_cell_line() -> tuple[int | None, bool]:
 
 
 def release_connections() -> int:
-    """Shut down the connected sockets opened since the group was made; returns how many."""
+    """Shut down the connected sockets opened since the group was made; returns how many.
+    The notebook's watch connections are not the group's: shutting one would tell the notebook
+    this process ended."""
     count = 0
+    watching = {watcher.fileno() for watcher in RANK.xray.watchers}
     for fd, inode in _open_sockets().items():
-        if (fd, inode) in RANK.xray.sockets_before:
+        if (fd, inode) in RANK.xray.sockets_before or fd in watching:
             continue
         try:
             connection = socket.socket(fileno=os.dup(fd))

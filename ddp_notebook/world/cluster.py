@@ -93,6 +93,7 @@ class DDPCluster:
         self.cell_history: list[CellRecord] = []
         self.restarts = 0  # lost ranks this world went on after, replaced or not (bounded by config.max_restarts)
         self.last_comeback_seconds: float | None = None
+        self.last_rollback_seconds: float | None = None
 
     @classmethod
     def attach_to(
@@ -412,6 +413,19 @@ class DDPCluster:
         found = world.supervisor.find_dead(gone)
         return {rank: found.get(rank) or Death("lost", "was lost (the controller dropped it)") for rank in gone}
 
+    def _go_on_if_lost(self, world: RunningWorld, targets: tuple[int, ...], doing: str) -> None:
+        """Before a push or pull: a rank the controller dropped since the last cell (a process
+        stopped past the heartbeat while the world was idle, a host gone) is named, and the world
+        goes on after it as after a loss in a cell; then RankDiedError says so, and nothing was
+        sent (instead of ipyparallel's KeyError for the engine)."""
+        lost = self._lost_before_sending(world, targets)
+        if not lost:
+            return
+        came_back, why_not = self._replace_dead(world, lost, ())
+        if came_back:
+            came_back += f"; nothing was sent: {doing} again"
+        CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not).raise_for_error()
+
     def _snapshot_everywhere(self, world: RunningWorld) -> None:
         """The end-of-cell snapshot of a world that tracks a sharded model: it gathers the model's
         state, so every rank takes it at once, and only after a cell that succeeded on every rank
@@ -571,11 +585,7 @@ class DDPCluster:
             # GPU ranks started here: the new processes see the world's GPUs and free ones of this
             # machine (one line, the world untouched, when there are too few)
             world.provisioner.prepare_gpus(n_ranks, [p.gpu for p in world.layout.placements if p.gpu is not None])
-        if self.needs_heal:
-            self.heal()
-        busy = world.controller.busy(self.ranks)
-        if busy:
-            raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
+        self._ready_for_regroup(world)
         try:
             done = comeback.resize(world, self.config, n_ranks)
         except DDPError as failure:
@@ -592,6 +602,31 @@ class DDPCluster:
             gpus = tuple(gpu for gpu in world.provisioner.world_gpus if gpu in used)
         self.config = world.provisioner.config = dataclasses.replace(self.config, n_ranks=n_ranks, gpus=gpus)
         return done.seconds
+
+    def _ready_for_regroup(self, world: RunningWorld) -> None:
+        """Before every rank is moved at once (a resize, a rollback): the group whole, no rank busy."""
+        if self.needs_heal:
+            self.heal()
+        busy = world.controller.busy(self.ranks)
+        if busy:
+            raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
+
+    def rollback(self) -> str | None:
+        """Bring every rank back to the newest snapshot of the tracked state all of them hold
+        (`%ddp_rollback`): after a training cell that failed or was interrupted, the ranks may
+        have stopped at different steps. Returns where that snapshot was taken (None: nothing is
+        tracked). Other variables stay as they are; the next training cell goes on from there.
+        """
+        world = self._require_running()
+        self._ready_for_regroup(world)
+        try:
+            done = comeback.rollback(world, self.config)
+        except DDPError as failure:
+            raise DDPError(f"could not roll back: {failure}") from None
+        except Exception as failure:  # noqa: BLE001  (any remote failure ends the rollback)
+            raise DDPError(f"could not roll back: {one_line(failure)}") from None
+        self.last_rollback_seconds = done.seconds
+        return done.resumed_from
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""
@@ -647,12 +682,14 @@ class DDPCluster:
                     f"cannot push '{name}': {type(value).__name__} cannot be pickled ({one_line(failure)}); "
                     "send what it is built from and build it on the ranks instead"
                 ) from None
+        self._go_on_if_lost(world, targets, "push")
         world.client[world.engines(targets)].push(dict(namespace), block=True)
 
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> dict[int, Any]:
         """`name`'s value on each of `ranks` (default: all), as {rank: value}."""
         world = self._require_running()
         targets = self._select(ranks)
+        self._go_on_if_lost(world, targets, "pull")
         pending = {
             rank: world.client[world.ranks[rank].engine_id].apply_async(rank_calls.pull_names, [name])
             for rank in targets

@@ -113,6 +113,18 @@ def resize(running: RunningWorld, config: WorldConfig, size: int) -> Comeback:
     return _regroup(provisioner, config, world, staying, running.private_dir, began, deadline)
 
 
+def rollback(running: RunningWorld, config: WorldConfig) -> Comeback:
+    """Every rank back to the newest snapshot all of them hold: after a training cell that failed
+    or was interrupted, the ranks may have stopped at different steps. No process changes."""
+    began = time.perf_counter()
+    deadline = began + config.start_timeout
+    ranks = running.ranks
+    # a training cell cut short leaves DDP's reducers midway through a backward
+    _fresh_reducers(running.client, ranks, sorted(ranks), deadline)
+    resumed = _restore(running.client, ranks, sorted(ranks), deadline)
+    return Comeback(dict(ranks), time.perf_counter() - began, resumed)
+
+
 def _start_ranks(
     provisioner: Provisioner,
     slots: list[int],
@@ -152,20 +164,26 @@ def _regroup(
             timeout=_remaining(deadline)
         )
     new_ranks = forming.join_process_group(client, config, world, stack_dir, deadline)
-    engines = client[[info.engine_id for info in new_ranks.values()]]
-    # models every rank has (made by the setup cells) get fresh DDP reducers, in one order
-    # everywhere, their buckets laid out as the survivors' (the same on each: DDP syncs them)
-    held = engines.apply_async(rank_calls.wrapped_models).get(timeout=_remaining(deadline))
-    common = sorted(set.intersection(*(set(models) for models in held)))
-    by_rank = dict(zip(new_ranks, held))
     # the survivors' numbers in the new group (a shrink renumbers them): found by their engines
     rank_of_engine = {info.engine_id: rank for rank, info in new_ranks.items()}
     kept = [rank_of_engine[info.engine_id] for info in survivors]
+    _fresh_reducers(client, new_ranks, kept, deadline)
+    resumed = _restore(client, new_ranks, kept, deadline)
+    return Comeback(new_ranks, time.perf_counter() - began, resumed)
+
+
+def _fresh_reducers(client: Any, ranks: dict[int, RankInfo], kept: list[int], deadline: float) -> None:
+    """Models every rank has (made by the setup cells) get fresh DDP reducers, in one order
+    everywhere, their buckets laid out as the first of `kept` has them (the same on each: DDP
+    syncs them). A new rank's reducer has not rebuilt its buckets yet, and a reducer whose
+    backward was cut short (an interrupt, a released collective) is midway through one."""
+    engines = client[[info.engine_id for info in ranks.values()]]
+    held = engines.apply_async(rank_calls.wrapped_models).get(timeout=_remaining(deadline))
+    common = sorted(set.intersection(*(set(models) for models in held)))
+    by_rank = dict(zip(ranks, held))
     lead = by_rank[kept[0]] if kept else {}
     layouts = {name: lead.get(name) for name in common}
     engines.apply_async(rank_calls.rewrap_models, layouts).get(timeout=_remaining(deadline))
-    resumed = _restore(client, new_ranks, kept, deadline)
-    return Comeback(new_ranks, time.perf_counter() - began, resumed)
 
 
 def _remaining(deadline: float) -> float:

@@ -133,7 +133,12 @@ class ControlledProvisioner(Provisioner):
                 # ask the ranks to exit cleanly first; stragglers get SIGTERM, then SIGKILL
                 client.shutdown(targets="all", block=False)
                 controller = processes.controller_pid(cluster)
+                began = time.monotonic()
                 processes.wait_gone([pid for pid in pids if pid != controller], 3.0)
+                # ranks elsewhere (no PID here): until their engines unregister, so that the
+                # launcher's own stop finds them gone instead of signalling them one by one
+                while _ranks_elsewhere(cluster) and client.ids and time.monotonic() - began < 3.0:
+                    time.sleep(0.05)
             except Exception:
                 log.debug("asking the ranks to shut down failed", exc_info=True)
             try:
@@ -161,6 +166,19 @@ def launched_pids(cluster: Any) -> list[int]:
         launchers.extend(per_engine.values() if per_engine is not None else [engine_set])
     # an SSH launcher's PID is its process's on the other host: never one to signal here
     return [launcher.pid for launcher in launchers if getattr(launcher, "pid", -1) > 0 and not runs_elsewhere(launcher)]
+
+
+def _ranks_elsewhere(cluster: Any) -> bool:
+    """Whether a launcher of `cluster` runs its engine on another host."""
+    if cluster is None:
+        return False
+    sets = cluster.engines.values()
+    return any(runs_elsewhere(launcher) for engine_set in sets for launcher in _launchers_of(engine_set))
+
+
+def _launchers_of(engine_set: Any) -> list[Any]:
+    per_engine = getattr(engine_set, "launchers", None)
+    return list(per_engine.values()) if per_engine is not None else [engine_set]
 
 
 def runs_elsewhere(launcher: Any) -> bool:
