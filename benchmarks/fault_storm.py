@@ -11,7 +11,10 @@ Before each cell the seeded schedule draws a fault, or none (one cell in four), 
 - `raise`: a random rank raises at a random step;
 - `skip`: a random rank skips a step's collective (the others hang in it: the X-ray names it);
 - `interrupt`: the notebook interrupts every rank at a random moment (the stop button);
-- `stop`: SIGSTOP of a random rank for 12 s, past the controller's 10 s heartbeat limit, then SIGCONT.
+- `stop`: SIGSTOP of a random rank for 12 s, past the controller's 10 s heartbeat limit, then SIGCONT;
+- `oom`: a random rank grows at a random step until the out-of-memory killer of a memory cgroup
+  ends it (as root: the driver and the world run in a cgroup of their own, limited to what the
+  world used after its first epoch plus OOM_HEADROOM; elsewhere this kind is left out, and says so).
 
 After a fault the cell runs again: a dead or lost rank came back by itself, at the newest snapshot
 every survivor holds; after the others the driver brings every rank to the newest snapshot they
@@ -24,8 +27,7 @@ Printed per kind of fault: injected, survived (the world healthy again and the r
 seconds from the fault to the world ready again (p50, p95), steps redone (the steps trained past
 the snapshot it went back to, where rank 0 could say). At the end every process the world
 started must be gone. Not injected here: a host's link going down (`tests/test_multinode.py`
-does, as root, on network-namespace hosts) and an out-of-memory kill in a memory cgroup (that
-needs a cgroup of its own; `tests/test_failures.py` covers the kill's message).
+does, as root, on network-namespace hosts, and ends bitwise equal to a fault-free run).
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ from harness import exit_on_sigterm, machine_info, percentile, print_table
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # ddp_notebook as installed, tests.conftest
 
-KINDS = ("kill", "raise", "skip", "interrupt", "stop")
+KINDS = ("kill", "raise", "skip", "interrupt", "stop", "oom")
 STOP_SECONDS = 12.0  # SIGSTOP past the controller's heartbeat limit (10 s)
 SNAPSHOT_EVERY = 5
+OOM_HEADROOM = 768 << 20  # the cgroup's limit: what the world used after its first epoch, plus this
+OOM_CHUNK = 64 << 20  # an oom victim grows by this much at a time
+OOM_MOST = 8 << 30  # and never past this (a limit not enforced: the fault then raises instead)
 
 BUILD = """
 import torch
 SNAPSHOT_EVERY = {snapshot_every}
+OOM_CHUNK, OOM_MOST = {oom_chunk}, {oom_most}
 from torch.utils.data import TensorDataset
 torch.manual_seed(0)
 {p}data = TensorDataset(torch.randn({samples}, 16), torch.randn({samples}, 1), torch.arange({samples}))
@@ -70,6 +76,9 @@ while {p}loader.epoch < EPOCH_END:
     for x, y, ids in {p}loader:
         if rank == FAULT_RANK and {p}step == FAULT_AT and FAULT_KIND == "raise":
             raise RuntimeError("an injected fault")
+        if rank == FAULT_RANK and {p}step == FAULT_AT and FAULT_KIND == "oom":
+            _hog = [b"o" * OOM_CHUNK for _ in range(OOM_MOST // OOM_CHUNK)]  # the killer ends it on the way
+            raise RuntimeError("the out-of-memory killer never came")
         gathered = [None] * world_size
         if not (rank == FAULT_RANK and {p}step == FAULT_AT and FAULT_KIND == "skip"):
             dist.all_gather_object(gathered, ids.tolist())
@@ -122,12 +131,37 @@ def main() -> int:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown fault kinds {unknown}; choose from {', '.join(KINDS)}")
-    storm = run_storm(args.ranks, args.minutes * 60, args.seed, args.samples, kinds, args.faults)
+    from tests import memory_cgroup
+
+    cgroup = home = None
+    if "oom" in kinds:
+        try:  # this process, and every process of the world it starts, in a memory cgroup of its own
+            cgroup, home = memory_cgroup.make(f"ddp-fault-storm-{os.getpid()}")
+            memory_cgroup.enter(cgroup, os.getpid())
+        except (memory_cgroup.Unavailable, OSError) as why:
+            if args.kinds != parser.get_default("kinds"):
+                parser.error(f"oom faults need a memory cgroup of their own: {why}")
+            kinds.remove("oom")
+            print(f"oom: not injected ({why})", flush=True)
+    try:
+        storm = run_storm(args.ranks, args.minutes * 60, args.seed, args.samples, kinds, args.faults, cgroup)
+    finally:
+        if cgroup is not None and home is not None:
+            home.write_text(str(os.getpid()))
+            memory_cgroup.remove(cgroup.directory, 30)
     report(storm, args)
     return 0 if storm.equal and not storm.leftovers and all(f.survived for f in storm.faults) else 1
 
 
-def run_storm(ranks: int, seconds: float, seed: int, samples: int, kinds: list[str], most: int | None = None) -> Storm:
+def run_storm(
+    ranks: int,
+    seconds: float,
+    seed: int,
+    samples: int,
+    kinds: list[str],
+    most: int | None = None,
+    cgroup: Any = None,
+) -> Storm:
     from ddp_notebook import DDPCluster
     from tests.conftest import wait_gone
 
@@ -137,11 +171,13 @@ def run_storm(ranks: int, seconds: float, seed: int, samples: int, kinds: list[s
     world.start()
     started: set[int] = set(world.all_pids)
     try:
-        world.execute(
-            BUILD.format(p="", samples=samples, snapshot_every=SNAPSHOT_EVERY) + TRACK, setup=True, stream=False
-        )
+        world.execute(_build("", samples) + TRACK, setup=True, stream=False)
         deadline = time.monotonic() + seconds
         cell_seconds = _timed_epoch(world, storm)  # a first epoch without a fault: how long a cell takes
+        if cgroup is not None:
+            from tests import memory_cgroup
+
+            memory_cgroup.set_limit(cgroup, (cgroup.memory_used() or 0) + OOM_HEADROOM)
         while time.monotonic() < deadline and (most is None or len(storm.faults) < most):
             kind = schedule.choice([*kinds, "none"]) if kinds else "none"
             if kind == "none":
@@ -162,6 +198,12 @@ def run_storm(ranks: int, seconds: float, seed: int, samples: int, kinds: list[s
         world.stop()
     storm.leftovers = wait_gone(sorted(started), 30)
     return storm
+
+
+def _build(prefix: str, samples: int) -> str:
+    return BUILD.format(
+        p=prefix, samples=samples, snapshot_every=SNAPSHOT_EVERY, oom_chunk=OOM_CHUNK, oom_most=OOM_MOST
+    )
 
 
 def _timed_epoch(world: Any, storm: Storm) -> float:
@@ -185,7 +227,7 @@ def _train(world: Any, epoch_end: int, fault: Fault | None = None) -> None:
 
 def _draw(schedule: random.Random, number: int, kind: str, size: int, epochs: int, cell: float, samples: int) -> Fault:
     rank = schedule.randrange(size)
-    if kind in ("raise", "skip"):
+    if kind in ("raise", "skip", "oom"):
         steps_per_epoch = -(-samples // size) // 8
         at = float(epochs * steps_per_epoch + schedule.randrange(1, steps_per_epoch))  # a step of this cell
     else:
@@ -226,7 +268,7 @@ def _inject(world: Any, fault: Fault, storm: Storm) -> None:
     try:
         if world.state == "broken":
             raise RuntimeError("the world is broken after the fault")
-        if fault.kind not in ("kill", "stop"):
+        if fault.kind not in ("kill", "stop", "oom"):  # a death: the comeback brought them back
             fault.steps_redone = _back_to_snapshot(world)  # its first cell sets the group up again
         fault.recover_seconds = round(time.monotonic() - injected_at, 3)
         _train(world, storm.epochs + 1)  # the same cell again: it goes on from the snapshot
@@ -265,7 +307,7 @@ def _compare(world: Any, storm: Storm, samples: int) -> tuple[bool, str]:
     """The fault-free copy of the run, trained as many epochs in the same world, bitwise against it."""
     import torch
 
-    world.execute(BUILD.format(p="ref_", samples=samples, snapshot_every=SNAPSHOT_EVERY), stream=False)
+    world.execute(_build("ref_", samples), stream=False)
     world.push({"EPOCH_END": storm.epochs, "FAULT_RANK": -1, "FAULT_AT": -1, "FAULT_KIND": ""})
     world.execute(TRAIN.format(p="ref_"), stream=False, timeout=3600)
     world.execute(f"_ours = {PARAMS.format(p='')}\n_theirs = {PARAMS.format(p='ref_')}", stream=False)

@@ -170,7 +170,8 @@ class DDPMagics(Magics):
         "--on-loss",
         default="auto",
         choices=config.ON_LOSS_CHOICES,
-        help="when ranks are lost: replace them (local ranks; ssh: on its host or a spare slot of --hosts), "
+        help="when ranks are lost: replace them (local ranks; ssh: on its host or a spare slot of --hosts; "
+        "slurm: a job of one task), "
         "shrink to the survivors, or stop; auto (default): replace local ranks, shrink elsewhere",
     )
     @argument("--restart", action="store_true", help="stop a running world first and start this one")

@@ -122,6 +122,23 @@ def test_a_rank_raising_mid_training_releases_the_others_and_the_world_heals(own
     assert all(torch.equal(weights[rank], weights[0]) for rank in weights)
 
 
+def test_a_heal_releases_a_rank_still_blocked_in_a_collective(own_world: DDPCluster) -> None:
+    """A rank left waiting in a collective its peers never join (what an interrupted cell can
+    leave) does not stop the heal: it is released through the X-ray, its work fails, and the
+    group forms again (the fault storm met this after an interrupt)."""
+    world = own_world
+    last = world.ranks[world.world_size - 1]
+    assert world.provisioner is not None and world.provisioner.client is not None
+    waiting = world.provisioner.client[last.engine_id].execute("dist.all_reduce(torch.ones(1))", block=False)
+    time.sleep(1.0)  # in the all_reduce, alone
+    assert not waiting.ready()
+    world.heal()
+    with pytest.raises(Exception, match=r"(?i)closed"):
+        waiting.get(timeout=10)
+    check = "t = torch.ones(1); dist.all_reduce(t); t.item()"
+    assert world.execute(check, stream=False).value_text(0) == f"{float(world.world_size)}"
+
+
 def test_a_hung_collective_times_out_and_heals(own_world: DDPCluster) -> None:
     world = own_world
     world.execute("x = torch.ones(1)\nkept = rank")

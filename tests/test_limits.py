@@ -23,6 +23,7 @@ from ddp_notebook.platform.processes import describe_exit
 from ddp_notebook.wire.results import MemoryReading, RankInfo, RankStatus
 from ddp_notebook.world.config import RANK_MEMORY_BYTES, WorldConfig
 from ddp_notebook.world.report import format_status
+from tests import memory_cgroup
 from tests.conftest import owned_pids, wait_gone
 
 GIB = 1 << 30
@@ -193,6 +194,38 @@ def test_out_of_memory_kills_are_told_from_the_counters(tmp_path: Path) -> None:
     assert platform.oom_since(before) == limits.OomVerdict(True, "cgroup memory limit 1.5 GiB reached")
     # no cgroup counters at all: the machine's counter is all there is
     assert platform.oom_since(OomCounts((), 7)) == limits.OomVerdict(True, "the machine ran out of memory")
+
+
+def test_a_kill_after_an_out_of_memory_kill_is_named_for_itself(tmp_path: Path) -> None:
+    """The fault storm found it: once the killer had struck in the world's cgroup, every later
+    SIGKILL (a user's kill -9) was named an out-of-memory kill. Each death is judged on the kills
+    since the last one named, and a death named once stays named the same."""
+    from ddp_notebook.world.provisioning.local import LocalProvisioner
+
+    files = {
+        "/proc/self/mountinfo": mountinfo(V2_MOUNT),
+        "/proc/self/cgroup": "0::/pod\n",
+        "/proc/vmstat": "oom_kill 0\n",
+        "/sys/fs/cgroup/pod/memory.max": f"{GIB}\n",
+        "/sys/fs/cgroup/pod/memory.events": "oom 0\noom_kill 0\n",
+    }
+    write(tmp_path, files)
+    provisioner = LocalProvisioner(WorldConfig.build(2, backend="gloo", warm_start=False), "/private")
+    provisioner.platform = Platform(tmp_path)
+    provisioner.oom_before = provisioner.platform.oom_counts()
+    exits: dict[int, int] = {}
+    provisioner.exit_of = lambda _set, pid=None: (exits[pid], "") if pid in exits else None  # type: ignore[method-assign]
+
+    def rank(number: int, pid: int) -> RankInfo:
+        return RankInfo(rank=number, engine_id=number, host="h", pid=pid, device="cpu", device_name="cpu", gpu=None)
+
+    exits[100] = -signal.SIGKILL  # rank 1 grows into the limit: the killer's
+    write(tmp_path, {"/sys/fs/cgroup/pod/memory.events": "oom 1\noom_kill 1\n", "/proc/vmstat": "oom_kill 1\n"})
+    first = provisioner.dead_ranks([rank(0, 50), rank(1, 100)])
+    assert list(first) == [1] and "out-of-memory killer (cgroup memory limit 1.0 GiB" in first[1].how
+    assert provisioner.dead_ranks([rank(1, 100)])[1] == first[1]  # asked again: the same death
+    exits[101] = -signal.SIGKILL  # its replacement, then killed from outside: no new kill counted
+    assert provisioner.dead_ranks([rank(0, 50), rank(1, 101)])[1].how == "was killed by SIGKILL"
 
 
 def test_how_a_rank_died_names_the_out_of_memory_killer_only_when_it_struck() -> None:
@@ -424,59 +457,11 @@ WORLD_SCRIPT = textwrap.dedent(
 
 def memory_cgroup_for_test(limit: int) -> tuple[Cgroup, str]:
     """A new memory cgroup with `limit`, where this process may put a child: (it, its cgroup.procs)."""
-    if os.geteuid() != 0:
-        pytest.skip("creating a cgroup needs root")
-    chain = Platform().cgroups("memory")
-    if not chain:
-        pytest.skip("no memory cgroup controller is mounted here")
-    own = chain[0]
-    if own.version == 1:
-        # v1: any cgroup may have children
-        parents = [own.directory]
-    else:
-        # v2: a cgroup with processes cannot give its children controllers; a sibling can
-        parents = [d for d in (own.directory, own.directory.parent) if _delegates_memory(d)]
-        if not parents:
-            pytest.skip(f"cgroup v2: memory is not in cgroup.subtree_control of {own.name} or its parent")
-    directory = parents[0] / f"ddp-notebook-test-{os.getpid()}"
     try:
-        directory.mkdir()
-    except OSError as failure:
-        pytest.skip(f"cannot create a cgroup under {parents[0]}: {failure}")
-    cgroup = Cgroup(directory, directory.name, own.version)
-    settings = (
-        [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)]
-        if own.version == 1
-        else [("memory.max", limit), ("memory.swap.max", 0)]
-    )
-    for name, value in settings:
-        if (directory / name).exists():
-            (directory / name).write_text(str(value))
-    if cgroup.memory_limit() != limit:
-        remove_cgroup(directory)
-        pytest.skip(f"could not set a memory limit on {directory}")
-    return cgroup, str(directory / "cgroup.procs")
-
-
-def _delegates_memory(directory: Path) -> bool:
-    try:
-        return "memory" in (directory / "cgroup.subtree_control").read_text().split()
-    except OSError:
-        return False
-
-
-def remove_cgroup(directory: Path, seconds: float = 15.0) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            directory.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)  # its last processes are still exiting
+        cgroup, _ = memory_cgroup.make(f"ddp-notebook-test-{os.getpid()}", limit)
+    except memory_cgroup.Unavailable as why:
+        pytest.skip(str(why))
+    return cgroup, str(cgroup.directory / "cgroup.procs")
 
 
 @pytest.mark.integration
@@ -522,4 +507,4 @@ def test_a_rank_growing_into_a_cgroup_limit_is_warned_about_then_named_out_of_me
     finally:
         if process is not None:
             assert wait_gone(sorted(owned_pids(process.pid))) == [], "processes of the world outlived it"
-        remove_cgroup(cgroup.directory)
+        memory_cgroup.remove(cgroup.directory)

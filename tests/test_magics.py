@@ -247,6 +247,16 @@ def test_options_with_arguments_reach_the_launcher_as_typed(
     assert {trait: settings.launch.settings[launcher][trait] for trait in expected} == expected
 
 
+def test_a_slurm_world_that_replaces_lost_ranks_as_the_docs_start_it() -> None:
+    """docs/scaling_out.md: `%ddp_start 8 --launcher slurm --partition gpu --time 2:00:00 --on-loss replace`."""
+    from ddp_notebook.magics import start_config
+
+    settings, _ = start_config("8 --launcher slurm --partition gpu --time 2:00:00 --on-loss replace")
+    assert settings.n_ranks == 8 and settings.on_loss == "replace"
+    slurm = settings.launch.settings["SlurmEngineSetLauncher"]
+    assert (slurm["queue"], slurm["timelimit"]) == ("gpu", "2:00:00")
+
+
 def test_an_ssh_world_with_spare_slots_as_the_docs_start_it() -> None:
     """docs/scaling_out.md: `%ddp_start 4 --launcher ssh --hosts node1:2,node2:2,node3:2 --on-loss
     replace --ip ...`: four ranks, two spare slots, lost ranks replaced (the address: this machine's)."""

@@ -410,29 +410,38 @@ def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, mu
     assert not world.running
 
 
+# one task per node, as a site's template would ask (Slurm packs tasks onto one node otherwise)
+SLURM_TEMPLATE = (
+    "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n#SBATCH --ntasks={n}\n"
+    "#SBATCH --ntasks-per-node=1\n#SBATCH --output={output_file}\nsrun {program_and_args}\n"
+)
+
+
+def slurm_world(
+    network: Network, slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch, **options: object
+) -> DDPCluster:
+    for name, value in slurm.env.items():
+        monkeypatch.setenv(name, value)  # where a login node has it: sbatch and scancel read it
+    return DDPCluster(
+        2,
+        launcher="slurm",
+        partition=slurm.partition,
+        time_limit="10",
+        settings=[f"SlurmEngineSetLauncher.batch_template={SLURM_TEMPLATE!r}"],
+        ip=network.address,
+        backend="gloo",
+        timeout=60,
+        start_timeout=120,
+        **options,  # type: ignore[arg-type]
+    )
+
+
 def test_slurm_world_spans_two_hosts(
     multihost_network: Network, multihost_slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real slurmctld and a slurmd per host: the ranks are the tasks of one sbatch job."""
-    for name, value in multihost_slurm.env.items():
-        monkeypatch.setenv(name, value)  # where a login node has it: sbatch and scancel read it
     h1, h2 = multihost_network
-    # one task per node, as a site's template would ask (Slurm packs tasks onto one node otherwise)
-    template = (
-        "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=ipengine-{cluster_id}\n#SBATCH --ntasks={n}\n"
-        "#SBATCH --ntasks-per-node=1\n#SBATCH --output={output_file}\nsrun {program_and_args}\n"
-    )
-    world = DDPCluster(
-        2,
-        launcher="slurm",
-        partition=multihost_slurm.partition,
-        time_limit="10",
-        settings=[f"SlurmEngineSetLauncher.batch_template={template!r}"],
-        ip=multihost_network.address,
-        backend="gloo",
-        timeout=60,
-        start_timeout=120,
-    )
+    world = slurm_world(multihost_network, multihost_slurm, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", InsecureNetworkWarning)
         world.start()
@@ -448,3 +457,45 @@ def test_slurm_world_spans_two_hosts(
     finally:
         world.stop()
     assert multihost_slurm.wait_for_empty_queue() == [], "stop cancels the job"
+
+
+def test_a_slurm_world_replaces_a_lost_rank_with_a_job_and_resizes(
+    multihost_network: Network, multihost_slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--on-loss replace on Slurm: a killed rank comes back as a job of one task into the same
+    partition, with the world's template and settings, the survivor keeping its variables;
+    %ddp_resize grows the world by such a job and shrinks it; stop cancels every job."""
+    h1, h2 = multihost_network
+    world = slurm_world(multihost_network, multihost_slurm, monkeypatch, on_loss="replace")
+    pids: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)
+        world.start()
+    try:
+        world.execute("import os", setup=True, stream=False)
+        world.execute("kept = f'made on {rank}'", stream=False)
+        pids.update(info.pid for info in world.ranks)
+        victim = world.ranks[1]
+        first_jobs = multihost_slurm.jobs()
+        with pytest.raises(
+            RankDiedError, match=r"rank 1 on .* ended: its connection to the notebook closed.*Rank 1 came back"
+        ):
+            world.execute(f"import time\nif rank == 1:\n    os.kill({victim.pid}, 9)\ntime.sleep(30)", timeout=90)
+        assert world.world_size == 2 and world.ranks[1].pid != victim.pid
+        assert len(multihost_slurm.jobs()) == len(first_jobs) + 1, "the new rank is a job of its own"
+        pids.update(info.pid for info in world.ranks)
+        check = "t = torch.ones(1); dist.all_reduce(t); (t.item(), globals().get('kept'))"
+        found = world.execute(check, stream=False)
+        assert found.value_text(0) == "(2.0, 'made on 0')"  # the survivor kept its variables
+        assert found.value_text(1) == "(2.0, None)"  # the new rank has what the setup cells made
+        world.resize(3)
+        assert world.world_size == 3 and {info.host for info in world.ranks} <= {h1.name, h2.name}
+        assert len(multihost_slurm.jobs()) == len(first_jobs) + 2
+        pids.update(info.pid for info in world.ranks)
+        assert world.execute(check, stream=False).value_text(2) == "(3.0, None)"
+        world.resize(2)
+        assert world.execute(check, stream=False).value_text(1) == "(2.0, None)"
+    finally:
+        world.stop()
+    assert multihost_slurm.wait_for_empty_queue() == [], "stop cancels every job"
+    assert wait_gone(sorted(pids), 30) == []

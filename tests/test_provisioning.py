@@ -134,12 +134,36 @@ def test_ranks_elsewhere_are_dead_when_their_pid_or_heartbeat_is_gone(cpu_machin
         sleeper.wait(10)
 
 
-def test_local_and_ssh_worlds_add_ranks_the_other_launchers_do_not(cpu_machine: None) -> None:
+def test_local_ssh_and_slurm_worlds_add_ranks_the_other_launchers_do_not(cpu_machine: None) -> None:
     mpi = LauncherProvisioner(WorldConfig.build(2, launcher="mpi"), "/p")
     assert not mpi.starts_ranks
     with pytest.raises(DDPUsageError, match="--launcher mpi cannot add ranks"):
         mpi.add([2])
     assert LauncherProvisioner(WorldConfig.build(launcher="ssh", hosts="a:1,b:2", ip="127.0.0.1"), "/p").starts_ranks
+    assert LauncherProvisioner(WorldConfig.build(2, launcher="slurm", ip="127.0.0.1"), "/p").starts_ranks
+    assert not LauncherProvisioner(WorldConfig.build(2, launcher="pbs", ip="127.0.0.1"), "/p").starts_ranks
+
+
+def test_a_slurm_rank_is_added_as_a_job_of_one_task_away_from_a_silent_node(cpu_machine: None) -> None:
+    """Each new rank is a job of its own (its slot in its environment); a node whose rank went
+    silent is excluded on sbatch's command line, which wins over the template's lines; a rank
+    whose process died leaves its node usable; a site's own submit command is kept."""
+    started: list[dict[str, object]] = []
+    cluster = SimpleNamespace(start_engines_sync=lambda **options: started.append(options))
+    settings = ["SlurmEngineSetLauncher.submit_command=['/site/sbatch', '--qos=debug']"]
+    provisioner = LauncherProvisioner(WorldConfig.build(3, launcher="slurm", ip="127.0.0.1", settings=settings), "/p")
+    provisioner.cluster = cluster
+    silent = RankInfo(rank=1, engine_id=4, host="node7", pid=70, device="cpu", device_name="cpu", gpu=None)
+    died = RankInfo(rank=2, engine_id=5, host="node8", pid=80, device="cpu", device_name="cpu", gpu=None)
+    replacing = {1: (silent, Death("lost", "was lost")), 2: (died, Death("signal", "was killed"))}
+    provisioner.add([1, 2], replacing=replacing)
+    assert [o["submit_command"] for o in started] == [["/site/sbatch", "--qos=debug", "--exclude=node7"]] * 2
+    assert [o["n"] for o in started] == [1, 1]
+    assert [o["environment"][SLOT_ENV] for o in started] == ["1", "2"]  # type: ignore[index]
+    assert len({o["engine_set_id"] for o in started}) == 2
+    started.clear()
+    provisioner.add([3])  # a resize: nothing to avoid
+    assert started[0]["submit_command"] == ["/site/sbatch", "--qos=debug"]
 
 
 def test_ssh_ranks_are_known_by_their_listed_host_and_never_signalled_here(cpu_machine: None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from typing import Any
@@ -90,6 +91,31 @@ def train(feed: Feed, clock: Clock, rank: int, epochs: int = 2, batches: int = 3
             clock.advance(0.01)
         channel.log(epoch, {"accuracy": 0.5 + epoch / 10})
     channel.end_cell("done")
+
+
+def bytes_sent(comms: list[RecordingComm]) -> int:
+    """What every widget so far sent to the frontend: its messages' JSON and binary buffers."""
+    return sum(
+        len(json.dumps(data, default=str)) + sum(len(memoryview(buffer).cast("B")) for buffer in buffers)
+        for channel in comms
+        for _, _, data, buffers in channel.sent
+    )
+
+
+def test_a_cell_after_the_first_sends_kilobytes_not_plotly_js_again(comms: list[RecordingComm]) -> None:
+    """plotly.js (about 5 MB) reaches the browser with the first cell's live view only: a later
+    cell's view, curves and all, sends under 100 KB."""
+    clock, sent = Clock(), []
+    for _ in range(3):
+        before = bytes_sent(comms)
+        view = LiveView()
+        feed = Feed(lambda view=view: view, ranks=[0, 1], clock=clock)
+        for rank in (0, 1):
+            train(feed, clock, rank)
+        assert feed.finished and len(view.figure.data) == 4
+        sent.append(bytes_sent(comms) - before)
+    assert sent[0] > 4_000_000, sent  # plotly.js, once
+    assert max(sent[1:]) < 100_000, sent
 
 
 def test_live_view_reaches_the_frontend_complete(comms: list[RecordingComm]) -> None:

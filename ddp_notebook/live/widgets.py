@@ -297,7 +297,6 @@ class LiveView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         import ipywidgets as widgets
-        import plotly.graph_objects as go
 
         self._curve_seconds = curve_seconds
         self._clock = clock
@@ -308,7 +307,10 @@ class LiveView:
         self.bars = widgets.VBox()
         # made with the view, though its curves come later: plotly.js must be loaded in the browser
         # before the first update reaches it (an update sent earlier is lost)
-        self.figure = go.FigureWidget(
+        from . import plotly_adapter
+
+        # plotly.js itself reaches the browser once per kernel, not once per cell (5 MB each)
+        self.figure = plotly_adapter.figure_widget(
             layout={
                 "height": 300,
                 "margin": {"l": 60, "r": 20, "t": 30, "b": 40},

@@ -49,6 +49,8 @@ from .state import WorldLifecycle, WorldState
 
 LEAVE_GROUP_SECONDS = 3.0
 PULL_SECONDS = 60.0
+# how long a heal waits for ranks it released from a collective to end their cell
+BUSY_SETTLE_SECONDS = 5.0
 
 
 class DDPCluster:
@@ -543,6 +545,14 @@ class DDPCluster:
         began = time.perf_counter()
         busy = world.controller.busy(self.ranks)
         if busy:
+            # a rank still waiting in a collective of the broken group (its peers left it): release
+            # it through the X-ray too, and give it a moment to end its cell
+            world.supervisor.release_blocked(tuple(busy))
+            settle_by = time.monotonic() + BUSY_SETTLE_SECONDS
+            while busy and time.monotonic() < settle_by:
+                time.sleep(0.1)
+                busy = world.controller.busy([info for info in self.ranks if info.rank in busy])
+        if busy:
             raise DDPUsageError(
                 f"rank(s) {_rank_list(busy)} are still busy (blocked in a collective until the collective "
                 f"timeout of {self.config.timeout:g} s); wait for them, or %ddp_restart"
@@ -618,7 +628,12 @@ class DDPCluster:
         tracked). Other variables stay as they are; the next training cell goes on from there.
         """
         world = self._require_running()
+        healed = self.needs_heal
         self._ready_for_regroup(world)
+        if not healed:
+            # a cell cut short can leave a collective half-done on the group (DDP's backward queues
+            # its all-reduces on gloo's threads): a fresh group, so the rollback's own collectives meet
+            self.heal()
         try:
             done = comeback.rollback(world, self.config)
         except DDPError as failure:

@@ -205,6 +205,15 @@ def parse_setting(text: str) -> tuple[str, str, Any]:
     return class_name, trait, value
 
 
+def slurm_submit_command(settings: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The command the world's Slurm jobs are submitted with (ipyparallel's default: sbatch)."""
+    for name in ("SlurmEngineSetLauncher", "SlurmLauncher"):
+        command = settings.get(name, {}).get("submit_command")
+        if command:
+            return [str(part) for part in command]
+    return ["sbatch"]
+
+
 def ssh_slots(settings: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """{host as listed: ranks it may run} of the SSH launcher's hosts list (empty: none)."""
     engines = settings.get("SSHEngineSetLauncher", {}).get("engines") or {}

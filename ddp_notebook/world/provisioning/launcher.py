@@ -20,8 +20,9 @@ log = logging.getLogger("ddp_notebook")
 
 # the one engine set of a world whose launcher starts all ranks at once
 WORLD_ENGINE_SET = "world"
-# launchers that can start one more rank on a chosen host of the list while the world runs
-ADDS_RANKS = ("ssh",)
+# launchers that can start one more rank while the world runs: SSH on a chosen host of the
+# list, Slurm as a job of one task (a node that went silent excluded)
+ADDS_RANKS = ("ssh", "slurm")
 # how long ranks asked to leave (a resize) may take before they are killed
 LEAVE_SECONDS = 10.0
 
@@ -100,6 +101,9 @@ class LauncherProvisioner(ControlledProvisioner):
         if not self.starts_ranks:
             super().add(slots)
         replacing = replacing or {}
+        if self.config.launch.launcher == "slurm":
+            self._add_slurm_jobs(slots, replacing)
+            return
         where = self.listed_host
         running = Counter(where.get((info.host, info.pid), "") for info in staying)
         # a rank lost without a word (no heartbeat) may have lost its host: none goes there
@@ -119,6 +123,23 @@ class LauncherProvisioner(ControlledProvisioner):
                 engines={host: 1},
                 environment={**self._environment(), SLOT_ENV: str(rank)},
                 engine_cmd=self.engine_command(self.config.launch.python),
+            )
+
+    def _add_slurm_jobs(self, slots: Iterable[int], replacing: Mapping[int, tuple[RankInfo, Death]]) -> None:
+        """One job of one task per new rank, from the world's own batch template and settings;
+        a node whose rank went silent (no heartbeat: maybe the node is gone) is excluded, so Slurm
+        does not place the new rank there (sbatch's command line wins over the template's lines)."""
+        silent = sorted({info.host for info, death in replacing.values() if death.cause == "lost"})
+        submit = list(launchers.slurm_submit_command(self.config.launch.settings))
+        if silent:
+            submit.append(f"--exclude={','.join(silent)}")
+        for rank in slots:
+            self.cluster.start_engines_sync(
+                n=1,
+                engine_set_id=f"rank-{rank}-{next(self._engine_sets)}",
+                environment={**self._environment(), SLOT_ENV: str(rank)},
+                engine_cmd=self.engine_command(self.config.launch.python),
+                submit_command=submit,
             )
 
     def remove(self, ranks: Iterable[RankInfo]) -> None:

@@ -48,6 +48,8 @@ class LocalProvisioner(ControlledProvisioner):
         # process's cgroup): a rank found killed later is named for what killed it
         self.platform = limits.Platform()
         self.oom_before: limits.OomCounts | None = None
+        # each dead process's death as first named (later checks of the same death say the same)
+        self._named: dict[int, Death] = {}
         # what CUDA_VISIBLE_DEVICES lists for every rank started here: the world's GPUs, in
         # order; a resize appends free GPUs of this machine, so a running rank's list stays a
         # prefix of it and its CUDA device numbers keep their meaning
@@ -198,12 +200,17 @@ class LocalProvisioner(ControlledProvisioner):
     def dead_ranks(self, ranks: Iterable[RankInfo]) -> dict[int, Death]:
         dead = {}
         registered = set(self.client.ids) if self.client is not None else None
+        named_now = False
         for info in ranks:
             found = self.exit_of(engine_set_id(info.rank), info.pid)
             if found is not None:
-                before = self.oom_before
-                oom = self.platform.oom_since(before) if before is not None and found[0] == -signal.SIGKILL else None
-                dead[info.rank] = death_of(found[0], oom)
+                if info.pid not in self._named:
+                    before = self.oom_before
+                    killed = found[0] == -signal.SIGKILL
+                    oom = self.platform.oom_since(before) if before is not None and killed else None
+                    self._named[info.pid] = death_of(found[0], oom)
+                    named_now = True
+                dead[info.rank] = self._named[info.pid]
             elif registered is not None and info.engine_id not in registered:
                 # alive but silent past the heartbeat limit (stopped, or hung where not even its
                 # heartbeat thread runs): the controller dropped it; the comeback ends its process
@@ -212,6 +219,9 @@ class LocalProvisioner(ControlledProvisioner):
                     f"stopped answering the controller for {HEARTBEAT_MISSES * HEARTBEAT_PERIOD_MS / 1000:g} s "
                     "(its process is stopped or hung; it is ended)",
                 )
+        if named_now and self.oom_before is not None:
+            # kills the killer made so far are accounted for: a later SIGKILL is judged on its own
+            self.oom_before = self.platform.oom_counts()
         return dead
 
     def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
