@@ -102,9 +102,14 @@ def bytes_sent(comms: list[RecordingComm]) -> int:
     )
 
 
-def test_a_cell_after_the_first_sends_kilobytes_not_plotly_js_again(comms: list[RecordingComm]) -> None:
+def test_a_cell_after_the_first_sends_kilobytes_not_plotly_js_again(
+    comms: list[RecordingComm], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """plotly.js (about 5 MB) reaches the browser with the first cell's live view only: a later
     cell's view, curves and all, sends under 100 KB."""
+    from ddp_notebook.live import plotly_adapter
+
+    monkeypatch.setattr(plotly_adapter, "_holder", None)  # a fresh kernel: no view shown before
     clock, sent = Clock(), []
     for _ in range(3):
         before = bytes_sent(comms)
