@@ -347,12 +347,9 @@ class DDPCluster:
         if timeout is not None:
             config.check_seconds("cell timeout", timeout)
         began = time.perf_counter()
-        lost = self._lost_before_sending(world, targets)
-        if lost:
-            # the controller dropped a rank (its host or process went) since the last cell: say so,
-            # and go on as after a loss in a cell, instead of ipyparallel's KeyError for its engine
-            came_back, why_not = self._replace_dead(world, lost, ())
-            return CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not)
+        went_on = self._go_on_if_lost(world, targets)
+        if went_on is not None:
+            return went_on
         relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
         view = world.view(tuple(world.engines(targets)))
@@ -415,18 +412,19 @@ class DDPCluster:
         found = world.supervisor.find_dead(gone)
         return {rank: found.get(rank) or Death("lost", "was lost (the controller dropped it)") for rank in gone}
 
-    def _go_on_if_lost(self, world: RunningWorld, targets: tuple[int, ...], doing: str) -> None:
-        """Before a push or pull: a rank the controller dropped since the last cell (a process
-        stopped past the heartbeat while the world was idle, a host gone) is named, and the world
-        goes on after it as after a loss in a cell; then RankDiedError says so, and nothing was
-        sent (instead of ipyparallel's KeyError for the engine)."""
+    def _go_on_if_lost(self, world: RunningWorld, targets: tuple[int, ...], doing: str = "") -> CellOutcome | None:
+        """Before anything is sent to `targets` (a cell, a push, a pull): a rank the controller
+        dropped since the last cell (a process stopped past the heartbeat while the world was idle,
+        a host gone) is named, and the world goes on after it as after a loss in a cell, instead of
+        ipyparallel's KeyError for its engine. Returns how that ended (None: every rank is there);
+        `doing` (push, pull) is what to do again, nothing having been sent."""
         lost = self._lost_before_sending(world, targets)
         if not lost:
-            return
+            return None
         came_back, why_not = self._replace_dead(world, lost, ())
-        if came_back:
+        if came_back and doing:
             came_back += f"; nothing was sent: {doing} again"
-        CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not).raise_for_error()
+        return CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not)
 
     def _snapshot_everywhere(self, world: RunningWorld) -> None:
         """The end-of-cell snapshot of a world that tracks a sharded model: it gathers the model's
@@ -697,14 +695,16 @@ class DDPCluster:
                     f"cannot push '{name}': {type(value).__name__} cannot be pickled ({one_line(failure)}); "
                     "send what it is built from and build it on the ranks instead"
                 ) from None
-        self._go_on_if_lost(world, targets, "push")
+        if (went_on := self._go_on_if_lost(world, targets, "push")) is not None:
+            went_on.raise_for_error()
         world.client[world.engines(targets)].push(dict(namespace), block=True)
 
     def pull(self, name: str, ranks: Iterable[int] | str | None = None) -> dict[int, Any]:
         """`name`'s value on each of `ranks` (default: all), as {rank: value}."""
         world = self._require_running()
         targets = self._select(ranks)
-        self._go_on_if_lost(world, targets, "pull")
+        if (went_on := self._go_on_if_lost(world, targets, "pull")) is not None:
+            went_on.raise_for_error()
         pending = {
             rank: world.client[world.ranks[rank].engine_id].apply_async(rank_calls.pull_names, [name])
             for rank in targets
