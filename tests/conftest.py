@@ -86,11 +86,18 @@ def world() -> Iterator[DDPCluster]:
 
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
-    """Fail a test that leaves child processes behind."""
-    before = owned_pids()
+    """Fail a test that leaves child processes, or files in the ipyparallel profile, behind."""
+    before, files_before = owned_pids(), profile_files()
     yield
     leftover = wait_gone(sorted(owned_pids() - before))
     assert leftover == [], f"processes left running: {leftover}"
+    assert sorted(profile_files() - files_before) == [], "files left in the ipyparallel profile"
+
+
+def profile_files() -> set[str]:
+    """The files of the default ipyparallel profile's logs and connection files."""
+    profile = Path(os.environ.get("IPYTHONDIR", Path.home() / ".ipython")) / "profile_default"
+    return {str(path) for folder in ("log", "security") for path in (profile / folder).glob("*")}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook import DDPCluster, StartError
+from ddp_notebook.platform.cluster_files import cluster_files
 from tests.conftest import owned_pids, pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -77,8 +78,8 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
         for pid in leftover:
             os.kill(pid, signal.SIGKILL)
     assert leftover == []
-    # its connection files (which hold the cluster's key) went with it
-    assert [p.name for p in (Path(profile_dir) / "security").iterdir() if cluster_id in p.name] == []
+    # its connection files (which hold the cluster's key), its logs and its engine registry went with it
+    assert cluster_files(profile_dir, cluster_id) == []
 
 
 def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
@@ -95,6 +96,24 @@ def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:
         world.stop()
     assert [p for p in security.iterdir() if cluster_id in p.name] == []
     assert not private.exists()
+
+
+def test_a_stopped_world_leaves_no_file_in_its_profile(no_leaks: None) -> None:
+    world = DDPCluster(2, backend="gloo").start()
+    try:
+        cluster = world.provisioner.cluster
+        profile_dir, cluster_id = cluster.profile_dir, cluster.cluster_id
+        world.resize(1)  # ipyparallel removes the log of a rank stopped through it, not the rest
+        names = {Path(p).name for p in cluster_files(profile_dir, cluster_id)}
+        # the controller's engine registry and the processes' logs: what used to pile up
+        assert f"engines{cluster_id}.json" in names, names
+        assert any(name.startswith(f"ipcontroller-{cluster_id}-") for name in names), names
+        assert any(name.startswith(f"ipengine-{cluster_id}-") for name in names), names
+    finally:
+        world.stop()
+    assert cluster_files(profile_dir, cluster_id) == []
+    # stopped for good: ipyparallel does not stop it again at exit (over ssh configs gone by then)
+    assert cluster.shutdown_atexit is False
 
 
 def test_curve_encryption_on_request(no_leaks: None, capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,10 +49,7 @@ def ssh_world(network: Network, ssh: SSHHosts, **options: object) -> DDPCluster:
         hosts=",".join(f"{host}:1" for host in ssh.hosts),
         ssh_args=ssh.ssh_args,
         ip=network.address,
-        backend="gloo",
-        timeout=60,
-        start_timeout=120,
-        **options,  # type: ignore[arg-type]
+        **{"backend": "gloo", "timeout": 60, "start_timeout": 120, **options},  # type: ignore[arg-type]
     )
 
 
@@ -408,6 +405,39 @@ def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, mu
     with pytest.raises(StartError, match=rf"rank 1 on {h2.name}: No route to host: open TCP between the hosts"):
         world.start()
     assert not world.running
+
+
+def test_a_rank_that_never_registers_says_why_in_the_start_error(
+    multihost_network: Network, multihost_ssh: SSHHosts, tmp_path: object
+) -> None:
+    """What a rank on another host printed before it failed to register is in the StartError,
+    not only in a log file on that host (which is removed once read)."""
+    from pathlib import Path
+
+    h2 = multihost_network[1]
+    hook = Path(str(tmp_path)) / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import socket, sys\n"
+        f"if socket.gethostname() == {h2.name!r}:\n"
+        "    sys.exit('this host refuses to start a rank, on purpose')\n"
+    )
+    log_dir = Path.home() / ".ipython" / "profile_default" / "log"
+    before = set(log_dir.glob("*.out"))
+    world = ssh_world(multihost_network, multihost_ssh, start_timeout=15, env={"PYTHONPATH": str(hook)})
+    try:
+        with pytest.raises(StartError) as raised:
+            world.start()
+    finally:
+        world.stop()
+    message = str(raised.value)
+    assert message.startswith("only 1 of 2 ranks registered within 15 s"), message
+    said = message.split(f"; {h2.name} said: ")[1]
+    assert said.endswith("SystemExit: this host refuses to start a rank, on purpose"), message
+    assert " said: " not in said  # the rank that registered has nothing to explain
+    assert not world.running
+    # the remote log (the same filesystem here) went once read
+    assert set(log_dir.glob("*.out")) - before == set()
 
 
 # one task per node, as a site's template would ask (Slurm packs tasks onto one node otherwise)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from ddp_notebook.platform.cluster_files import remove_cluster_files
 from ddp_notebook.platform.processes import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV, descendants
 
 OWNER_POLL_SECONDS = 1.0
@@ -56,8 +57,8 @@ def watch_owner() -> None:
         # no clean shutdown is possible: the peers and the controller are going away too.
         # The launcher made this process the leader of its own process group; the group
         # holds the helpers it forked (the controller's schedulers), which must go too.
-        _remove_connection_files()
         _kill_children()
+        _remove_cluster_files()
         if os.getpgid(0) == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(3)
@@ -75,17 +76,11 @@ def _kill_children() -> None:
             continue
 
 
-def _remove_connection_files() -> None:
-    """Delete this cluster's connection files (holding its key), as a clean stop would."""
+def _remove_cluster_files() -> None:
+    """Delete this cluster's files (its connection files hold its key), as a clean stop would."""
     cluster_id, profile_dir = os.environ.get("IPP_CLUSTER_ID"), os.environ.get("IPP_PROFILE_DIR")
-    if not cluster_id or not profile_dir or not os.environ.get(CONTROLLER_ENV):
-        return
-    security = os.path.join(profile_dir, "security")
-    for name in (f"ipcontroller-{cluster_id}-client.json", f"ipcontroller-{cluster_id}-engine.json"):
-        try:
-            os.unlink(os.path.join(security, name))
-        except OSError:
-            pass
+    if cluster_id and profile_dir and os.environ.get(CONTROLLER_ENV):
+        remove_cluster_files(profile_dir, cluster_id)
 
 
 def _preload() -> None:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ...platform import processes
+from ...platform.cluster_files import remove_cluster_files
 from ..ipp_adapter import recorded_exit
 from .base import Provisioner
 
@@ -151,6 +152,10 @@ class ControlledProvisioner(Provisioner):
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
             processes.kill_survivors(family)
+            remove_cluster_files(cluster.profile_dir, cluster.cluster_id)
+            # this stop is the last: ipyparallel's own at exit (or when the object is collected)
+            # would stop what is already ended again, over ssh configs that may be gone by then
+            cluster.shutdown_atexit = False
 
 
 def launched_pids(cluster: Any) -> list[int]:
@@ -173,10 +178,10 @@ def _ranks_elsewhere(cluster: Any) -> bool:
     if cluster is None:
         return False
     sets = cluster.engines.values()
-    return any(runs_elsewhere(launcher) for engine_set in sets for launcher in _launchers_of(engine_set))
+    return any(runs_elsewhere(launcher) for engine_set in sets for launcher in launchers_of(engine_set))
 
 
-def _launchers_of(engine_set: Any) -> list[Any]:
+def launchers_of(engine_set: Any) -> list[Any]:
     per_engine = getattr(engine_set, "launchers", None)
     return list(per_engine.values()) if per_engine is not None else [engine_set]
 

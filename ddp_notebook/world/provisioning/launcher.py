@@ -10,11 +10,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ...platform import processes
 from ...platform.processes import SLOT_ENV
 from ...wire.results import Death, RankInfo
 from .. import launchers
 from ..config import is_loopback
-from .controlled import ControlledProvisioner, runs_elsewhere
+from .controlled import ControlledProvisioner, launchers_of, runs_elsewhere
 
 log = logging.getLogger("ddp_notebook")
 
@@ -25,6 +26,12 @@ WORLD_ENGINE_SET = "world"
 ADDS_RANKS = ("ssh", "slurm")
 # how long ranks asked to leave (a resize) may take before they are killed
 LEAVE_SECONDS = 10.0
+# a start that failed shows the last lines of each rank's output, fetched for at most this long
+OUTPUT_FETCH_SECONDS = 5.0
+OUTPUT_LINES = 3
+# what ipyparallel's engine logs once registered, and the controller's lines on a registration gone wrong
+REGISTERED = "Completed registration with id"
+REGISTRATION_TROUBLES = ("purging", "failed", "in use", "canceling", "ERROR", "WARNING")
 
 
 class LauncherProvisioner(ControlledProvisioner):
@@ -170,4 +177,33 @@ class LauncherProvisioner(ControlledProvisioner):
             hint = "; the controller listens on loopback only: give an address the rank hosts reach (--ip ADDRESS)"
         if cfg.launch.launcher in ("slurm", "pbs", "sge", "lsf", "htcondor", "batch"):
             hint += " (a batch job may also still be waiting in the queue: raise --start-timeout)"
-        return message + hint
+        return message + hint + "".join(f"; {said}" for said in self.what_starting_ranks_said())
+
+    def what_starting_ranks_said(self) -> list[str]:
+        """The last lines of each rank launcher's output and the controller's registration
+        troubles: why a rank that was started never registered (it failed, or never reached the
+        controller) is there, not in a file on another host."""
+        said = []
+        controller = getattr(self.cluster.controller, "output_file", "") if self.cluster is not None else ""
+        lines = processes.log_tail(controller, 200).split(" | ")
+        troubles = [
+            line for line in lines if "registration::" in line and any(word in line for word in REGISTRATION_TROUBLES)
+        ]
+        if troubles:
+            said.append("the controller: " + " | ".join(troubles[-2:]))
+        sets = list(self.cluster.engines.values()) if self.cluster is not None else []
+        for launcher in [launcher for engine_set in sets for launcher in launchers_of(engine_set)]:
+            output: list[str] = []
+
+            def fetch(launcher: Any = launcher, output: list[str] = output) -> None:
+                # an SSH launcher fetches its remote log over ssh (bounded below). Removed once
+                # read: the start has failed, and ipyparallel removes a remote log only on the
+                # call that first fetched it
+                output.append(launcher.get_output(remove=True) or "")
+
+            processes.run_with_timeout(fetch, OUTPUT_FETCH_SECONDS)
+            lines = [line.strip() for line in "".join(output).splitlines() if line.strip()]
+            if lines and not any(REGISTERED in line for line in lines):
+                where = getattr(launcher, "location", "") or getattr(launcher, "identifier", "a rank")
+                said.append(f"{where} said: " + " | ".join(lines[-OUTPUT_LINES:]))
+        return said
