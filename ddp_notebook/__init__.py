@@ -63,6 +63,7 @@ _HOMES = {
     "CollectiveMismatchError": "cell.xray",
     "breakpoint": "rank.debugger",
     "check_collectives": "rank.strict",
+    "ProfileSettings": "cell.profiling",
     # live progress and metrics (standard library only, no torch)
     "Metrics": "live.feed",
     "log": "rank.channel",
@@ -103,6 +104,7 @@ __all__ = [
     "InsecureNetworkWarning",
     "Metrics",
     "NotRunningError",
+    "ProfileSettings",
     "RankDiedError",
     "RankError",
     "RankInfo",

@@ -53,7 +53,21 @@ def start_config(line: str) -> tuple[WorldConfig, bool]:
     args = parse_line(DDPMagics.ddp_start, line)
     n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
     _check_backend(args.backend)
-    return WorldConfig.build(n_ranks, **_build_options(args, "n", "restart")), bool(args.restart)
+    options = _build_options(args, "n", "restart", *_TRACKER_OPTIONS)
+    return WorldConfig.build(n_ranks, **options), bool(args.restart)
+
+
+# %ddp_start's tracker options: the notebook's side, not the world's config
+_TRACKER_OPTIONS = ("tracker", "tracker_ranks", "params")
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    """'lr,batch_size' -> ('lr', 'batch_size'), each a Python name."""
+    names = tuple(name.strip() for name in (text or "").split(",") if name.strip())
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise DDPUsageError(f"--params takes names of variables, like lr,batch_size; got '{','.join(bad)}'")
+    return names
 
 
 def _world_options(method: F) -> F:
@@ -180,6 +194,9 @@ class DDPMagics(Magics):
         action="store_true",
         help="strict mode: the ranks compare op and shapes before each collective (ddp_notebook.check_collectives)",
     )
+    @argument("--tracker", default=None, help="metrics also to tensorboard[:DIR], mlflow[:URI], wandb[:PROJECT]")
+    @argument("--tracker-ranks", default="0", help="0: rank 0's metrics (default); all: every rank's as NAME/rankN")
+    @argument("--params", default=None, help="rank 0's variables logged as hyperparameters, e.g. lr,batch_size")
     @line_magic
     @_usage_errors
     def ddp_start(self, line: str) -> None:
@@ -189,7 +206,11 @@ class DDPMagics(Magics):
         name, with the settings of `--profile` and the options given here.
         """
         settings, restart = start_config(line)
-        self._start(DDPCluster(settings), restart)
+        args = parse_line(self.ddp_start, line)
+        world = DDPCluster(settings)
+        if args.tracker is not None:
+            world.track(args.tracker, ranks=args.tracker_ranks, params=_names(args.params))  # checked before the start
+        self._start(world, restart)
 
     @magic_arguments()
     @argument(
@@ -263,6 +284,23 @@ class DDPMagics(Magics):
         action="store_true",
         help="this cell sets a rank up: it is replayed on a rank that replaces a dead one",
     )
+    @argument("--tracker", default=None, help="metrics also to tensorboard[:DIR], mlflow[:URI], wandb[:PROJECT]")
+    @argument("--params", default=None, help="rank 0's variables logged as hyperparameters, e.g. lr,batch_size")
+    @argument(
+        "--profile",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="STEPS",
+        help="torch.profiler on every rank over STEPS optimizer steps (default 5, after 1 skipped and 1 warm-up): "
+        "a timeline per rank, top ops, overlap, memory, the straggler",
+    )
+    @argument(
+        "--profile-dir",
+        default=None,
+        metavar="DIR",
+        help="folder for the profile's traces, one Chrome trace per rank (default: ddp_profiles/DATE-TIME)",
+    )
     @cell_magic
     @_usage_errors
     def ddp(self, line: str, cell: str) -> None:
@@ -271,11 +309,27 @@ class DDPMagics(Magics):
         `ddp_notebook.progress(...)` and `ddp_notebook.log(...)` in the cell show up live under it.
         """
         args = parse_line(self.ddp, line)
+        steps = _profile_steps(args)
         world = self._running_world()
+        profile = _profile_settings(steps, args.profile_dir) if steps is not None else None
         feed = self.recorder.feed(_make_view, append=args.append)
-        result = _execute_live(
-            world, feed, cell, args.ranks, timeout=args.timeout, stream=not args.no_stream, setup=args.setup
-        )
+        before = world.last_profile
+        try:
+            result = _execute_live(
+                world,
+                feed,
+                cell,
+                args.ranks,
+                timeout=args.timeout,
+                stream=not args.no_stream,
+                setup=args.setup,
+                tracker=args.tracker,
+                params=_names(args.params),
+                profile=profile,
+            )
+        finally:
+            if profile is not None and world.last_profile not in (None, before):
+                _show_profile(world.last_profile)
         if args.no_stream:
             _print_collected(result)
         text = format_values(result)
@@ -346,6 +400,38 @@ class DDPMagics(Magics):
             seconds = world.last_rollback_seconds or 0.0
             print(f"every rank is back at the snapshot taken at {where} ({seconds:.1f} s); run the training cell again")
 
+    @magic_arguments()
+    @argument("state", nargs="?", default=None, help="on or off (default: say which)")
+    @line_magic
+    @_usage_errors
+    def ddp_autoreload(self, line: str = "") -> None:
+        """Before each %%ddp cell every rank reloads the user modules whose file changed: on by
+        default; `%ddp_autoreload off` stops it, `%ddp_autoreload on` brings it back."""
+        args = parse_line(self.ddp_autoreload, line)
+        world = self._running_world()
+        if args.state is None:
+            state = "on" if world.config.autoreload else "off"
+            print(f"autoreload is {state}: %ddp_autoreload on|off")
+            return
+        if args.state not in ("on", "off"):
+            raise DDPUsageError(f"%ddp_autoreload takes on or off, got '{args.state}'")
+        world.autoreload(args.state == "on")
+        if args.state == "on":
+            print("every rank reloads the modules you edit before each %%ddp cell")
+        else:
+            print("the ranks keep the modules they imported until %ddp_autoreload on")
+
+    @magic_arguments()
+    @argument("paths", nargs="*", help="files or folders in the notebook's folder (default: its modules and packages)")
+    @argument("--max-mb", type=float, default=None, help="refuse to send more than this many MB (default 20)")
+    @line_magic
+    @_usage_errors
+    def ddp_sync(self, line: str = "") -> None:
+        """Send the notebook's Python files (or the files and folders named) to ranks on hosts that
+        do not have them: only what differs, over the world's own channel."""
+        args = parse_line(self.ddp_sync, line)
+        print(self._running_world().sync(args.paths or None, max_mb=args.max_mb))
+
     @line_magic
     @_usage_errors
     def ddp_metrics(self, line: str = "") -> Metrics:
@@ -385,18 +471,102 @@ class DDPMagics(Magics):
     @argument("--cells", default=None, help="cells to export: 1,3-5 (default: every cell that succeeded)")
     @argument("--list", action="store_true", help="list the cells this world ran, numbered")
     @argument("--force", action="store_true", help="overwrite an existing file")
+    @argument("--submit", default=None, metavar="slurm", help="also write PATH's sbatch script and submit it to slurm")
+    @argument("--nodes", type=int, default=None, help="--submit: nodes (default: the world's hosts)")
+    @argument(
+        "--nproc-per-node", type=int, default=None, help="--submit: ranks per node (default: the cells' ranks / nodes)"
+    )
+    @argument("--gpus-per-node", type=int, default=None, help="--submit: GPUs per node, one rank each (nccl)")
+    @argument("--time", default=None, help="--submit: the job's time limit, e.g. 2:00:00")
+    @argument("--partition", default=None, help="--submit: partition")
+    @argument("--account", default=None, help="--submit: account")
     @line_magic
     @_usage_errors
     def ddp_export(self, line: str) -> None:
-        """Write the %%ddp cells run so far as one script for torchrun (failed cells left out)."""
+        """Write the %%ddp cells run so far as one script for torchrun (failed cells left out);
+        `--submit slurm` also writes an sbatch script beside it and submits it (%ddp_jobs follows it)."""
         args = parse_line(self.ddp_export, line)
+        submit_options = ("nodes", "nproc_per_node", "gpus_per_node", "time", "partition", "account")
+        if args.submit is None and any(getattr(args, name) is not None for name in submit_options):
+            raise DDPUsageError("--nodes, --time and the like are for a batch job: add --submit slurm")
+        if args.submit is not None:
+            from .world import jobs
+
+            if args.submit not in jobs.SCHEDULERS:
+                raise DDPUsageError(f"--submit takes {' or '.join(jobs.SCHEDULERS)}, got '{args.submit}'")
+            if args.path is None or args.list:
+                raise DDPUsageError("--submit needs the script to write: %ddp_export train.py --submit slurm")
         if self.world is None:
             raise DDPUsageError("no DDP world: start one with %ddp_start N and run %%ddp cells first")
         if args.list or args.path is None:
             print(export.listing(self.world.cell_history))
             return
-        target = self.world.export_script(args.path, export.parse_selection(args.cells), overwrite=args.force)
-        print(f"wrote {target}; run it with: torchrun --nproc-per-node {self.world.world_size} {args.path}")
+        cells = export.parse_selection(args.cells)
+        if args.submit is None:
+            target = self.world.export_script(args.path, cells, overwrite=args.force)
+            print(f"wrote {target}; run it with: torchrun --nproc-per-node {self.world.world_size} {args.path}")
+            return
+        job = jobs.submit_job(
+            self.world,
+            args.path,
+            cells,
+            scheduler=args.submit,
+            nodes=args.nodes,
+            nproc_per_node=args.nproc_per_node,
+            gpus_per_node=args.gpus_per_node,
+            time_limit=args.time,
+            partition=args.partition,
+            account=args.account,
+            overwrite=args.force,
+        )
+        print(
+            f"wrote {job.script} and {job.batch_script}; submitted job {job.job_id} "
+            f"({job.nodes} node(s) x {job.nproc_per_node} rank(s), {job.backend}); log: {job.log}\n"
+            f"follow it with: %ddp_jobs --log {job.job_id} --follow"
+        )
+
+    @magic_arguments()
+    @argument("--log", default=None, metavar="ID", help="show job ID's log: rank 0's lines and every rank's errors")
+    @argument("--follow", action="store_true", help="with --log: keep showing new lines until the job ends")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="with --follow: stop following after this many seconds (default: 600; the job goes on)",
+    )
+    @argument("--all", action="store_true", help="with --log: every rank's lines")
+    @argument("--cancel", default=None, metavar="ID", help="cancel job ID (scancel)")
+    @line_magic
+    @_usage_errors
+    def ddp_jobs(self, line: str = "") -> None:
+        """The batch jobs submitted from this notebook (%ddp_export PATH --submit slurm) and their state;
+        `--log ID [--follow]` shows a job's log, `--cancel ID` cancels it."""
+        from .world import jobs
+
+        args = parse_line(self.ddp_jobs, line)
+        if args.log is not None and args.cancel is not None:
+            raise DDPUsageError("give --log ID or --cancel ID, not both")
+        if args.log is None and (args.follow or args.all or args.timeout is not None):
+            raise DDPUsageError("--follow, --all and --timeout go with --log ID")
+        if args.timeout is not None and args.timeout <= 0:
+            raise DDPUsageError(f"--timeout must be a number of seconds > 0, got {args.timeout:g}")
+        if args.cancel is not None:
+            print(f"{jobs.cancel_job(args.cancel).describe()}")
+            return
+        if args.log is None:
+            print(jobs.listing(jobs.list_jobs()))
+            return
+        try:
+            status = jobs.follow_log(
+                args.log,
+                follow=args.follow,
+                timeout=args.timeout or jobs.DEFAULT_FOLLOW_SECONDS,
+                everything=args.all,
+            )
+        except KeyboardInterrupt:
+            print(f"stopped following job {args.log}; it goes on (%ddp_jobs --cancel {args.log} stops it)")
+            return
+        print(status.describe())
 
     def _running_world(self) -> DDPCluster:
         if self.world is None or not self.world.running:
@@ -414,6 +584,30 @@ def _make_view() -> Any:
     from .live.widgets import make_view
 
     return make_view()
+
+
+def _profile_steps(args: Any) -> int | None:
+    """--profile [STEPS] checked: the steps to record, None without --profile."""
+    if args.profile is None:
+        if args.profile_dir is not None:
+            raise DDPUsageError("--profile-dir goes with --profile: %%ddp --profile 5 --profile-dir DIR")
+        return None
+    from .cell.profiling import DEFAULT_STEPS, parse_steps
+
+    return DEFAULT_STEPS if args.profile == "default" else parse_steps(args.profile)
+
+
+def _profile_settings(steps: int, folder: str | None) -> Any:
+    """What to profile, its folder made and checked writable before the cell is sent."""
+    from .cell.profiling import ProfileSettings, prepare_folder
+
+    return ProfileSettings(steps=steps, folder=prepare_folder(folder))
+
+
+def _show_profile(report: Any) -> None:
+    from .live.profile_view import show
+
+    show(report)
 
 
 def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, **kwargs: Any) -> CellResult:

@@ -3,6 +3,7 @@ per session, and process-leak checks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -142,3 +143,20 @@ def executed_notebooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exe
         for name, value in QUICK_NOTEBOOKS.items():
             patch.setenv(name, value)  # the kernels inherit this process's environment
         yield ExecutedNotebooks(tmp_path_factory)
+
+
+@contextlib.contextmanager
+def magics_driving(world: DDPCluster) -> Iterator[Any]:
+    """An IPython shell (no kernel: the text view) whose magics drive `world`, which stays running."""
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython() or get_ipython()
+    ip.run_line_magic("load_ext", "ddp_notebook")
+    magics = ip.magics_manager.registry["DDPMagics"]
+    magics.world = world
+    try:
+        yield ip
+    finally:
+        magics.world = None  # the world is not the shell's to stop
+        ip.run_line_magic("unload_ext", "ddp_notebook")

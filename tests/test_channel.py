@@ -10,7 +10,7 @@ import pytest
 from ddp_notebook.cell.xray import Collective, RankCollectives
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed, Metrics, Recorder
 from ddp_notebook.rank.channel import Channel, Progress
-from ddp_notebook.wire.channel import FLUSH_SECONDS, MESSAGE_KEY, RankMessage
+from ddp_notebook.wire.channel import FLUSH_SECONDS, KEPT_MESSAGES, MESSAGE_KEY, RankMessage, messages_in
 
 
 class Clock:
@@ -27,7 +27,10 @@ class Clock:
 
 
 def messages(sent: list[dict[str, Any]]) -> list[RankMessage]:
-    return [payload[MESSAGE_KEY] for payload in sent]
+    """Each published dict holds one message, under a key of our own."""
+    found = [messages_in(payload) for payload in sent]
+    assert all(len(one) == 1 and len(payload) == 1 for one, payload in zip(found, sent, strict=True)), sent
+    return [one[0] for one in found]  # type: ignore[misc]
 
 
 def plain(message: RankMessage) -> dict[str, list[list[float]]]:
@@ -566,5 +569,27 @@ def test_one_run_state_type_on_both_sides() -> None:
         channel.begin_cell()
         channel.log(None, {"loss": 1.0})
         channel.end_cell(state)
-    states = [message[MESSAGE_KEY]["state"] for message in sent]
+    states = [message["state"] for message in messages(sent)]
     assert states == ["running", "done", "running", "failed", "running", "stopped"]
+
+
+def test_messages_ipyparallel_merged_before_the_notebook_listened_are_all_taken() -> None:
+    """Under load a rank's first messages can reach the notebook before its callback is registered;
+    ipyparallel keeps them merged into one dict (each update replacing same keys): a message has a
+    key of its own among KEPT_MESSAGES, so the merge keeps them all and the feed takes each once."""
+    clock = Clock()
+    sent: list[dict[str, Any]] = []
+    channel = Channel(publish=sent.append, clock=clock)
+    channel.begin_cell()
+    for step in range(3):
+        channel.log(step, {"loss": float(step)})  # the first at once, then each after the interval
+        clock.advance(FLUSH_SECONDS)
+    merged: dict[str, Any] = {}
+    for payload in sent:
+        merged.update(payload)  # as ipyparallel's metadata['data'] does
+    assert len(messages_in(merged)) == len(sent) == 3 < KEPT_MESSAGES
+    feed = Feed(ranks=[0])
+    feed(0, merged)
+    feed(0, sent[-1])  # the same message again, delivered by the callback: taken once
+    assert feed.metrics.series("loss", 0) == ([0, 1, 2], [0.0, 1.0, 2.0])
+    assert feed.ranks[0].lost == 0

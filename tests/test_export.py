@@ -12,7 +12,7 @@ import torch
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.world.export import CellRecord, choose, listing, parse_selection, render
+from ddp_notebook.world.export import CellRecord, choose, export_script, listing, parse_selection, render
 
 CELLS = [
     "import os\n"
@@ -48,6 +48,14 @@ def test_selection_and_rendering_without_a_world() -> None:
     assert "torchrun --nproc-per-node 2 train.py" in text
     assert "if rank in (0,):\n    print(a)" in text and "raise ValueError" not in text
     compile(text, "train.py", "exec")
+
+
+def test_a_cell_with_ipython_syntax_is_refused_in_one_line(tmp_path: Path) -> None:
+    history = [CellRecord(1, "a = 1", (0, 1), True, 2), CellRecord(2, "a += 1\n!nvidia-smi", (0, 1), True, 2)]
+    with pytest.raises(DDPUsageError, match=r"^cell 2 is not plain Python \(line 2: !nvidia-smi\): .* --cells"):
+        export_script(history, tmp_path / "train.py")
+    assert not (tmp_path / "train.py").exists()
+    assert export_script(history, tmp_path / "train.py", [1]) == str(tmp_path / "train.py")
 
 
 @pytest.mark.integration

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from IPython import get_ipython
-from IPython.testing.globalipapp import start_ipython
 
 from ddp_notebook import DDPCluster, Metrics, RankError
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed
 from ddp_notebook.live.widgets import steps_table, xray_table
 from ddp_notebook.wire.channel import FLUSH_SECONDS
+from tests.conftest import magics_driving
 
 pytestmark = pytest.mark.integration
 
@@ -173,15 +172,8 @@ def test_a_long_wait_in_a_collective_shows_the_xray_and_clears_when_it_ends(worl
 @pytest.fixture
 def shell(world: DDPCluster) -> Iterator[Any]:
     """An IPython shell (no kernel: the text fallback) whose magics drive the shared world."""
-    ip = start_ipython() or get_ipython()
-    ip.run_line_magic("load_ext", "ddp_notebook")
-    magics = ip.magics_manager.registry["DDPMagics"]
-    magics.world = world
-    try:
+    with magics_driving(world) as ip:
         yield ip
-    finally:
-        magics.world = None  # the shared world is not ours to stop
-        ip.run_line_magic("unload_ext", "ddp_notebook")
 
 
 def test_magics_show_text_and_keep_metrics(shell: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ the bridge with CurveZMQ; gloo traffic between ranks crosses the bridge. Needs r
 
 from __future__ import annotations
 
+import ast
 import builtins
 import json
 import os
@@ -529,3 +530,58 @@ def test_a_slurm_world_replaces_a_lost_rank_with_a_job_and_resizes(
         world.stop()
     assert multihost_slurm.wait_for_empty_queue() == [], "stop cancels every job"
     assert wait_gone(sorted(pids), 30) == []
+
+
+def test_a_host_without_the_notebooks_files_gets_them_and_runs_the_edited_module(
+    multihost_network: Network, multihost_ssh: SSHHosts, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host 2 has no copy of the notebook's folder (a tmpfs hides it in that host's mount namespace):
+    its rank works in a sync folder, gets the notebook's module before the first cell, and the
+    edited module before the next; %ddp_sync sends a named file only where it differs."""
+    import io
+    from pathlib import Path
+
+    from ddp_notebook.errors import DDPUsageError
+
+    hidden = Path(str(tmp_path)) / "hidden"
+    notebook = hidden / "notebook"
+    notebook.mkdir(parents=True)
+    monkeypatch.chdir(notebook)
+    (notebook / "synced_model.py").write_text("def value():\n    return 1\n")
+    h2_sshd = list(multihost_ssh.pids)[1]
+    in_h2 = ["nsenter", "-t", str(h2_sshd), "-m"]
+    subprocess.run([*in_h2, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(hidden)], check=True)
+    notes = io.StringIO()
+    world = ssh_world(multihost_network, multihost_ssh, stderr=notes)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureNetworkWarning)
+            world.start()
+        result = world.execute("import os, synced_model\n(os.getcwd(), synced_model.value())")
+        here, there = (ast.literal_eval(result.value_text(rank)) for rank in (0, 1))
+        assert here == (str(notebook), 1)  # host 1 shares the folder
+        sync_folder = there[0]
+        assert there[1] == 1 and sync_folder.startswith(os.path.expanduser("~/.cache/ddp_notebook/sync/")), there
+        assert f"ddp-h2:{sync_folder}: synced_model.py" in notes.getvalue(), notes.getvalue()
+
+        # edited here: sent before the next cell, reloaded there
+        notes.seek(0)
+        notes.truncate()
+        (notebook / "synced_model.py").write_text("def value():\n    return 2\n")
+        result = world.execute("synced_model.value()")
+        assert [result.value_text(rank) for rank in (0, 1)] == ["2", "2"]
+        assert notes.getvalue().count("synced_model.py") == 1, notes.getvalue()
+
+        assert not world.sync().sent  # the default files are there already
+        (notebook / "settings.txt").write_text("lr=0.1\n")
+        report = world.sync(["settings.txt"])
+        assert list(report.sent.values()) == [("settings.txt",)] and report.bytes_sent == 7, report
+        assert world.execute("open('settings.txt').read()").value_text(1) == "'lr=0.1\\n'"
+        assert not world.sync(["settings.txt"]).sent  # unchanged: nothing sent again
+        (notebook / "big.bin").write_bytes(b"0" * (2 * 2**20))
+        with pytest.raises(DDPUsageError, match="more than the 1 MB a sync sends"):
+            world.sync(["big.bin"], max_mb=1)
+    finally:
+        world.stop()
+        subprocess.run([*in_h2, "umount", str(hidden)], check=False)
+    assert not os.path.exists(sync_folder)  # the rank's sync folder went with the world

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..wire.channel import MESSAGE_KEY, MESSAGE_VERSION, BarMessage, BarRun, CellEnd, RankMessage, RunState
+from ..wire.channel import MESSAGE_VERSION, BarMessage, BarRun, CellEnd, RankMessage, RunState, messages_in
 from .stragglers import StepTimes, Straggler, find_straggler
 
 if TYPE_CHECKING:
@@ -224,6 +224,9 @@ class Feed:
         self._shown = False  # the view was made and shown
         # default steps of an appended cell continue after the earlier cells' steps
         self._step_base: dict[int, int] = dict(previous.step_base_after()) if previous is not None else {}
+        # every point as it arrives, to an experiment tracker (`live.trackers`); set by the world
+        self.on_points: Callable[[int, str, list[float], list[float]], None] | None = None
+        self.tracker_run: Any = None  # the tracker run this cell's points went to (an appended cell continues it)
 
     def step_base_after(self) -> dict[int, int]:
         """Where the default steps of a cell appended after this one start, per rank."""
@@ -233,15 +236,21 @@ class Feed:
         return bases
 
     def __call__(self, rank: int, data: dict[str, Any]) -> None:
-        message = data.get(MESSAGE_KEY) if isinstance(data, dict) else None
-        if not isinstance(message, dict) or message.get("v") != MESSAGE_VERSION:
-            return  # someone else's publish_data
+        for message in messages_in(data):
+            if message.get("v") != MESSAGE_VERSION:
+                continue  # another version's
+            state = self.ranks.get(rank)
+            if state is not None and isinstance(message.get("seq"), int) and message["seq"] <= state.seq:
+                continue  # had already (a merged catch-up holds earlier messages too)
+            self._take(rank, message)  # type: ignore[arg-type]
+
+    def _take(self, rank: int, message: RankMessage) -> None:
         if self.received == 0:
             if self._on_first is not None:
                 self._on_first(self)
             self._show()
         self.received += 1
-        self._apply(rank, message)  # type: ignore[arg-type]
+        self._apply(rank, message)
         now = self._clock()
         self.elapsed = now - self.started
         if self._all_ended():
@@ -314,6 +323,8 @@ class Feed:
             if base and name not in explicit:
                 steps = [step + base for step in steps]
             self.metrics.add(rank, name, steps, values)
+            if self.on_points is not None:
+                self.on_points(rank, name, steps, values)
             if values:
                 state.last[name] = values[-1]
         steps = StepTimes.parse(message.get("steps"))

@@ -69,19 +69,31 @@ class Straggler:
 
 def find_straggler(times: Mapping[int, StepTimes]) -> Straggler | None:
     """The rank clearly slower than its peers, with the phase it loses time in; None if none is."""
-    if len(times) < 2:
+    phases = {
+        rank: {phase: getattr(t, phase) for phase in ("data", "compute", "optimizer")} for rank, t in times.items()
+    }
+    found = clear_straggler({rank: t.busy for rank, t in times.items()}, phases)
+    return Straggler(*found) if found is not None else None
+
+
+def clear_straggler(
+    busy: Mapping[int, float], phases: Mapping[int, Mapping[str, float]]
+) -> tuple[int, str, float, float] | None:
+    """(rank, phase, its busy seconds, the peers' median) of the rank clearly slower than its peers
+    (SLOWER_FACTOR times and SLOWER_SECONDS more), the phase being where it loses most against
+    them; None if no rank is. The live panel's step times and the profiler's traces both ask it."""
+    if len(busy) < 2:
         return None
-    slowest = max(times, key=lambda rank: times[rank].busy)
-    peers = [t for rank, t in times.items() if rank != slowest]
-    peers_busy = statistics.median(t.busy for t in peers)
-    busy = times[slowest].busy
-    if busy < peers_busy * SLOWER_FACTOR or busy - peers_busy < SLOWER_SECONDS:
+    slowest = max(busy, key=lambda rank: busy[rank])
+    peers = [rank for rank in busy if rank != slowest]
+    peers_busy = statistics.median(busy[rank] for rank in peers)
+    if busy[slowest] < peers_busy * SLOWER_FACTOR or busy[slowest] - peers_busy < SLOWER_SECONDS:
         return None
     excess = {
-        phase: getattr(times[slowest], phase) - statistics.median(getattr(t, phase) for t in peers)
-        for phase in ("data", "compute", "optimizer")
+        phase: seconds - statistics.median(phases[rank][phase] for rank in peers)
+        for phase, seconds in phases[slowest].items()
     }
-    return Straggler(slowest, max(excess, key=lambda phase: excess[phase]), busy, peers_busy)
+    return slowest, max(excess, key=lambda phase: excess[phase]), busy[slowest], peers_busy
 
 
 def _ms(seconds: float) -> str:

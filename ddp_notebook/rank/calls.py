@@ -7,9 +7,12 @@ without importing torch itself. On the rank each one imports what it needs and c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..wire.join import LAUNCHER_RANK_VARIABLES, Identity, JoinReport, RankSpec
+
+if TYPE_CHECKING:  # a fresh rank loads what it calls, when it calls it
+    from ..wire.profiling import ProfileRequest, RankProfile
 
 
 def describe() -> Identity:
@@ -151,3 +154,43 @@ def restore_snapshot(seq: int, source: int) -> str:
     from ddp_notebook.rank import elastic
 
     return elastic.restore(seq, source)
+
+
+def set_autoreload(enabled: bool) -> None:
+    """Reload edited user modules before each cell, or stop doing so (%ddp_autoreload)."""
+    from ddp_notebook.rank import reloading
+
+    reloading.set_autoreload(enabled)
+
+
+def working_folder() -> tuple[str, str]:
+    """(host, working folder) of the rank: where %ddp_sync writes."""
+    from ddp_notebook.rank import files
+
+    return files.where()
+
+
+def file_digests(paths: list[str]) -> dict[str, str | None]:
+    from ddp_notebook.rank import files
+
+    return files.digests(paths)
+
+
+def receive_files(contents: dict[str, bytes]) -> int:
+    from ddp_notebook.rank import files
+
+    return files.receive(contents)
+
+
+def start_profiling(request: ProfileRequest) -> None:
+    """torch.profiler on this rank's next optimizer steps (%%ddp --profile), before the cell."""
+    from ddp_notebook.rank import profiling
+
+    profiling.start(request)
+
+
+def finish_profiling() -> RankProfile:
+    """After a profiled cell: stop the profiler, take its hook out, hand back the trace."""
+    from ddp_notebook.rank import profiling
+
+    return profiling.finish()

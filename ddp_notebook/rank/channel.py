@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..wire.channel import FLUSH_SECONDS, MESSAGE_KEY, MESSAGE_VERSION, BarMessage, BarRun, RankMessage, RunState
+from ..wire.channel import FLUSH_SECONDS, MESSAGE_VERSION, BarMessage, BarRun, RankMessage, RunState, message_key
 from .state import RANK
 
 
@@ -176,7 +176,7 @@ class Channel:
         self._pending = {}
         self._dirty = {}
         if self._publish is not None:
-            self._publish({MESSAGE_KEY: message})
+            self._publish({message_key(message["seq"]): message})
 
     def end_cell(self, state: RunState) -> None:
         """The cell ended (done, failed or stopped): send the tail and the final state."""

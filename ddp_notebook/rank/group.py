@@ -102,6 +102,13 @@ def init_world(spec: RankSpec) -> JoinReport:
     for sampler in list(RANK.prepared.samplers):
         if (sampler.num_replicas, sampler.rank) != (world_size, rank):
             sampler.reshard(world_size, rank)
+    if spec.notebook_host and spec.notebook_folder:
+        from .files import enter_working_folder
+
+        enter_working_folder(spec.notebook_host, spec.notebook_folder)
+    from .reloading import set_autoreload
+
+    set_autoreload(spec.autoreload)
     if spec.check_collectives:
         from .strict import check_collectives
 
@@ -371,6 +378,9 @@ def shutdown_world() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     RANK.membership.context = None
+    from .files import leave_sync_folder
+
+    leave_sync_folder()
 
 
 def joined_context() -> RankContext | None:

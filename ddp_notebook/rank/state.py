@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ..wire.profiling import MemorySample
     from .channel import Channel
     from .elastic import Snapshot
+    from .reloading import Reloader
     from .sharding import Recipe
 
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
@@ -116,6 +118,28 @@ class StepHooks:
 
 
 @dataclass
+class UserFiles:
+    """The user's modules and files on this rank (`reloading`, `files`)."""
+
+    reloader: Reloader | None = None  # made when reloading before each cell is first turned on
+    sync_folders: list[str] = field(default_factory=list)  # sync folders made here, removed at the world's end
+
+
+@dataclass
+class Profiling:
+    """A profiled cell's torch.profiler (`profiling`): made as the cell starts, dropped after it."""
+
+    profiler: Any = None  # torch.profiler.profile
+    hook: Any = None  # the global optimizer post-step hook's handle
+    folder: str | None = None  # a temporary folder the trace is written to
+    trace: str | None = None  # the trace file, once the profiler wrote it
+    done: bool = False  # the last active step was recorded (or the profile was stopped)
+    steps: int = 0  # optimizer steps since the profile began
+    memory_on: bool = True  # read the memory at each step
+    memory: list[MemorySample] = field(default_factory=list)
+
+
+@dataclass
 class RankState:
     membership: Membership = field(default_factory=Membership)
     prepared: Prepared = field(default_factory=Prepared)
@@ -124,6 +148,8 @@ class RankState:
     strict: StrictChecks = field(default_factory=StrictChecks)
     xray: XrayServer = field(default_factory=XrayServer)
     step_hooks: StepHooks = field(default_factory=StepHooks)
+    user_files: UserFiles = field(default_factory=UserFiles)
+    profiling: Profiling | None = None  # only while a %%ddp --profile cell runs
     breakpoints: int = 0  # breakpoint() calls so far: each one's key in the store
 
 

@@ -14,6 +14,11 @@ from typing import Literal, TypedDict
 FLUSH_SECONDS = 0.1
 # the key of our messages in a published dict; other keys belong to the user
 MESSAGE_KEY = "ddp_notebook"
+# ipyparallel keeps what a rank published before the notebook listened (under load, the first
+# messages of a cell can arrive before the relay's callback is registered) as ONE dict, each
+# message updating it: a message is published under a key of its own among this many (its
+# sequence number modulo), so that merge keeps the last few instead of the last one, bounded
+KEPT_MESSAGES = 8
 # a new optional field keeps the version (readers ignore what they do not know, and take a missing
 # one as absent); a field whose meaning changes, or a new required one, needs the next version
 MESSAGE_VERSION = 1
@@ -69,3 +74,22 @@ class RankMessage(_OptionalFields):
     explicit: list[str]  # names logged with step=...: those steps are kept as given
     bars: list[BarMessage]  # the bars that changed since the last flush
     state: RunState
+
+
+def message_key(seq: int) -> str:
+    """The key message number `seq` is published under."""
+    return f"{MESSAGE_KEY}.{seq % KEPT_MESSAGES}"
+
+
+def messages_in(data: object) -> list[dict[str, object]]:
+    """Our messages in a published dict (one, or several that ipyparallel merged), oldest first."""
+    if not isinstance(data, dict):
+        return []
+    found = [
+        value
+        for key, value in data.items()
+        if isinstance(key, str)
+        and (key == MESSAGE_KEY or key.startswith(MESSAGE_KEY + "."))
+        and isinstance(value, dict)
+    ]
+    return sorted(found, key=lambda message: message.get("seq", 0) if isinstance(message.get("seq"), int) else 0)

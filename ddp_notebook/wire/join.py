@@ -43,6 +43,11 @@ class RankSpec:
     # ranks on other hosts: the world's X-ray key (hex) and the notebook's address its X-ray serves toward
     xray_key: str | None = None
     xray_toward: str | None = None
+    # reload edited user modules before each cell (%ddp_autoreload)
+    autoreload: bool = True
+    # the notebook's host and folder: a rank works there, or in a sync folder where it does not exist
+    notebook_host: str | None = None
+    notebook_folder: str | None = None
 
 
 @dataclass(frozen=True)

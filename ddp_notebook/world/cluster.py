@@ -17,11 +17,12 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from ..cell import debugging, xray
 from ..cell.outcome import CellOutcome
+from ..cell.profiling import ProfiledCell, ProfileSettings
 from ..cell.relay import CellRelay, OutputSink
 from ..cell.supervision import RELEASE_SECONDS
 from ..cell.syntax import check_syntax
@@ -36,11 +37,13 @@ from ..errors import (
     one_line,
 )
 from ..live import feed as live_feed
-from ..live import stragglers
+from ..live import stragglers, trackers
+from ..live.profile_view import ProfileReport
 from ..platform import devices, limits
 from ..rank import calls as rank_calls
 from ..wire.results import CellResult, Death, MemoryReading, RankInfo, RankStatus
 from . import comeback, config, export, forming, provisioning
+from . import sync as file_sync
 from .config import WorldConfig
 from .controller import QUERY_SECONDS
 from .export import CellRecord
@@ -96,6 +99,12 @@ class DDPCluster:
         self.restarts = 0  # lost ranks this world went on after, replaced or not (bounded by config.max_restarts)
         self.last_comeback_seconds: float | None = None
         self.last_rollback_seconds: float | None = None
+        # what the last cell run with profile= found (%%ddp --profile)
+        self.last_profile: ProfileReport | None = None
+        # what the ranks' working folders elsewhere hold of the notebook's files (%ddp_sync)
+        self._syncer: file_sync.Syncer | None = None
+        # the experiment tracker the training cells' metrics also go to (track())
+        self.tracking = trackers.Tracking()
 
     @classmethod
     def attach_to(
@@ -239,6 +248,7 @@ class DDPCluster:
             forming.plan_routes(provisioner, layout, deadline)
             ranks = forming.join_process_group(client, self.config, layout, private_dir, deadline)
             self._world = RunningWorld(provisioner, layout, ranks, private_dir)
+            self._syncer = file_sync.Syncer(os.getcwd())
         except BaseException as failure:
             self._teardown(provisioner, private_dir)
             if isinstance(failure, (DDPError, KeyboardInterrupt)):
@@ -258,6 +268,7 @@ class DDPCluster:
             return False
         self._leave_process_group(world)
         world.supervisor.close()
+        self.tracking.close()
         self._teardown(world.provisioner, world.private_dir)
         return True
 
@@ -304,6 +315,9 @@ class DDPCluster:
         stream: bool = True,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
         setup: bool = False,
+        tracker: str | trackers.TrackerSettings | None = None,
+        params: Sequence[str] = (),
+        profile: ProfileSettings | int | bool | None = None,
     ) -> CellResult:
         """Run `code` as a cell on `ranks` (default: all) and wait for it.
 
@@ -320,8 +334,26 @@ class DDPCluster:
 
         `setup=True` (`%%ddp --setup`): the cell sets a rank up (imports, model, data,
         `ddp_notebook.track(...)`); it is replayed on a rank that replaces a dead one.
+
+        `tracker` (`"mlflow"`, `"tensorboard:runs"`, `"wandb:project"`): this cell's metrics also go
+        to that experiment tracker (default: the world's, see `track`); `params` names variables of
+        rank 0 logged with them as hyperparameters once the cell ends.
+
+        `profile` (`%%ddp --profile`): torch.profiler on every rank over the cell's optimizer steps,
+        a number of steps to record or `ProfileSettings(...)`; the traces go to a folder and
+        `self.last_profile` holds what they show (a timeline per rank, the straggler, ...).
         """
-        return self.run(code, ranks, timeout=timeout, stream=stream, on_data=on_data, setup=setup).raise_for_error()
+        return self.run(
+            code,
+            ranks,
+            timeout=timeout,
+            stream=stream,
+            on_data=on_data,
+            setup=setup,
+            tracker=tracker,
+            params=params,
+            profile=profile,
+        ).raise_for_error()
 
     def run(
         self,
@@ -332,6 +364,9 @@ class DDPCluster:
         stream: bool = True,
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
         setup: bool = False,
+        tracker: str | trackers.TrackerSettings | None = None,
+        params: Sequence[str] = (),
+        profile: ProfileSettings | int | bool | None = None,
     ) -> CellOutcome:
         """Like `execute`, but return how the cell ended instead of raising for it."""
         world = self._require_running()
@@ -343,6 +378,10 @@ class DDPCluster:
         if on_data is None:
             on_data = self.recorder.feed(self._text_view if stream else None, ranks=targets)
         check_syntax(code)
+        # a tracker asked for that cannot work is said before the cell runs, not after
+        chosen = trackers.TrackerSettings.parse(tracker) if isinstance(tracker, str) else tracker
+        if chosen is not None:
+            trackers.require(chosen.kind)
         timeout = self.config.cell_timeout if timeout is None else timeout
         if timeout is not None:
             config.check_seconds("cell timeout", timeout)
@@ -350,6 +389,15 @@ class DDPCluster:
         went_on = self._go_on_if_lost(world, targets)
         if went_on is not None:
             return went_on
+        self._sync_before_cell(world)
+        if isinstance(on_data, live_feed.Feed):
+            # before the cell is sent: its first points may arrive at once
+            run_name = f"{trackers.notebook_name()} cell {len(self.cell_history) + 1}"
+            self.tracking.attach(on_data, chosen, run_name, lambda: trackers.world_description(self))
+        profiled = None
+        if profile is not None:  # off: nothing is sent, nothing runs on the ranks
+            self.last_profile = None
+            profiled = ProfiledCell.start(profile, {r: world.client[world.ranks[r].engine_id] for r in targets})
         relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
         view = world.view(tuple(world.engines(targets)))
@@ -371,6 +419,8 @@ class DDPCluster:
         ending = relay.wait(sink, timeout, world.supervisor)
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
+        if profiled is not None:
+            self.last_profile = profiled.finish((*relay.dead, *relay.unfinished()))
         failures = tuple(relay.failures())
         if failures:
             self.last_failures = failures  # for debug(): the cell to look into
@@ -397,11 +447,82 @@ class DDPCluster:
             # ranks that never said how they ended)
             feed.finish(outcome.view_state)
         self._record_cell(code, targets, outcome.ok)
+        if feed is not None and feed.tracker_run is not None:
+            self._log_params(world, feed, tuple(params) or self.tracking.param_names)
         if setup and outcome.ok:
             self.setup_cells.append(code)
         if outcome.ok and len(targets) == self.world_size and relay.snapshot_owed():
             self._snapshot_everywhere(world)
         return outcome
+
+    def track(
+        self, tracker: str | trackers.TrackerSettings | None, *, ranks: str = "0", params: Sequence[str] = ()
+    ) -> None:
+        """Send the metrics of every training cell from now on to an experiment tracker: `"tensorboard"`
+        (event files under ./runs, or `"tensorboard:DIR"`), `"mlflow"` (a SQLite store ./mlflow.db, or
+        `"mlflow:URI"`) or `"wandb"` (offline, or `"wandb:PROJECT"`); None stops. `ranks`: "0" (rank
+        0's metrics under their names) or "all" (every rank's, as NAME/rankN); `params`: names of
+        rank 0's variables logged as hyperparameters after each training cell. `%ddp_start --tracker`."""
+        settings = trackers.TrackerSettings.parse(tracker, ranks) if isinstance(tracker, str) else tracker
+        self.tracking.configure(settings, params)
+
+    def _log_params(self, world: RunningWorld, feed: live_feed.Feed, names: Sequence[str]) -> None:
+        """The named hyperparameters from rank 0 into the cell's tracker run, then its points written."""
+        found: dict[str, Any] = {}
+        missing: list[str] = list(names)
+        if names and 0 in world.ranks and world.ranks[0].engine_id in world.client.ids:
+            try:
+                reply = world.client[world.ranks[0].engine_id].apply_async(rank_calls.pull_names, list(names))
+                answer = reply.get(timeout=PULL_SECONDS)
+                found, missing = answer["found"], answer["missing"]
+            except Exception:  # noqa: BLE001  (the training is done; the note says what was not logged)
+                pass
+        note = self.tracking.after_cell(feed, found, missing)
+        if note:
+            (self._stderr or sys.stderr).write(f"ddp_notebook: {note}\n")
+
+    def _sync_before_cell(self, world: RunningWorld) -> None:
+        """Ranks working in a sync folder (the notebook's folder does not exist on their host) get
+        the notebook's changed modules before the cell, so that they run, and reload, the code on disk."""
+        here = socket.gethostname()
+        if self._syncer is None or all(info.host == here for info in world.ranks.values()):
+            return  # local ranks work in the notebook's folder
+        try:
+            report = self._syncer.before_cell(world.client, world.engines())
+        except DDPUsageError as refusal:
+            report, note = None, str(refusal)
+        except Exception as failure:  # noqa: BLE001  (the cell still runs; the ranks keep what they had)
+            report, note = None, f"the notebook's files could not be synced before the cell: {one_line(failure)}"
+        else:
+            note = str(report) if report is not None and report.sent else ""
+        if note:
+            (self._stderr or sys.stderr).write(f"ddp_notebook: {note}\n")
+
+    def autoreload(self, enabled: bool = True) -> None:
+        """Before each cell, every rank reloads the user modules whose file changed (on by default,
+        new ranks included); `autoreload(False)` stops it. `%ddp_autoreload on|off`."""
+        world = self._require_running()
+        self.config = world.provisioner.config = dataclasses.replace(self.config, autoreload=bool(enabled))
+        world.client[world.engines()].apply_async(rank_calls.set_autoreload, bool(enabled)).get(timeout=QUERY_SECONDS)
+
+    def sync(self, paths: Iterable[str] | str | None = None, *, max_mb: float | None = None) -> file_sync.SyncReport:
+        """Send files under the notebook's folder (default: its Python modules and packages) to the
+        ranks' working folders that do not hold the same bytes (other hosts without them), over the
+        world's own channel; refused past `max_mb` (default file_sync.DEFAULT_LIMIT_MB). `%ddp_sync`."""
+        world = self._require_running()
+        syncer = self._syncer or file_sync.Syncer(os.getcwd())
+        self._syncer = syncer
+        if max_mb is not None:
+            if not max_mb > 0:
+                raise DDPUsageError(f"--max-mb must be a positive number of MB, got {max_mb:g}")
+            syncer.limit_mb = float(max_mb)
+        if paths is None:
+            files = file_sync.default_files(syncer.folder)
+        else:
+            files = file_sync.chosen_files([paths] if isinstance(paths, str) else list(paths), syncer.folder)
+        if not files:
+            raise DDPUsageError(f"nothing to sync: no Python module or package in {syncer.folder}; name the files")
+        return syncer.sync(world.client, world.engines(), files)
 
     def _lost_before_sending(self, world: RunningWorld, targets: tuple[int, ...]) -> dict[int, Death]:
         """Ranks of `targets` whose engine the controller no longer knows, with how they ended."""

@@ -77,6 +77,8 @@ class WorldConfig:
     on_loss: str = "auto"
     # strict mode (ddp_notebook.strict): every rank checks each collective against its peers' first
     check_collectives: bool = False
+    # reload edited user modules on every rank before each cell (%ddp_autoreload)
+    autoreload: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -140,6 +142,7 @@ class WorldConfig:
         max_restarts: int | None = None,
         on_loss: str = "auto",
         check_collectives: bool = False,
+        autoreload: bool = True,
         force: bool = False,
         **shortcuts: Any,
     ) -> WorldConfig:
@@ -171,6 +174,8 @@ class WorldConfig:
         - `check_collectives`: strict mode: before each collective of the default group the ranks
           compare op, dtypes and shapes, and all raise the same error when they differ (one small
           all-gather per collective; `ddp_notebook.strict`), on every rank the world starts;
+        - `autoreload`: before each cell, every rank reloads the user modules whose file changed
+          (IPython's superreload; `DDPCluster.autoreload`, `%ddp_autoreload`);
         - `force`: start a local world that does not fit: more ranks than the memory available
           holds (about RANK_MEMORY_BYTES each before any data), or more CPU ranks than
           CPU_RANKS_PER_CORE per core (and more than 4). Without it such a world is refused.
@@ -209,6 +214,7 @@ class WorldConfig:
             max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
             on_loss=str(on_loss),
             check_collectives=bool(check_collectives),
+            autoreload=bool(autoreload),
         )
 
 

@@ -118,6 +118,18 @@ def listing(history: Sequence[CellRecord]) -> str:
     return "\n".join(lines) or "no %%ddp cells ran in this world yet"
 
 
+def check_plain_python(cell: CellRecord) -> None:
+    """A cell with IPython-only syntax (%magic, !command) is refused here, not under torchrun."""
+    try:
+        compile(cell.code, f"cell {cell.number}", "exec")
+    except SyntaxError as problem:
+        where = f"line {problem.lineno}: {(problem.text or '').strip()}" if problem.lineno else str(problem.msg)
+        raise DDPUsageError(
+            f"cell {cell.number} is not plain Python ({where}): a torchrun script cannot run "
+            "%magics or !commands; leave the cell out with --cells, or write it in Python"
+        ) from None
+
+
 def export_script(
     history: Sequence[CellRecord],
     path: str | os.PathLike[str],
@@ -133,8 +145,10 @@ def export_script(
     target = os.path.abspath(os.fspath(path))
     if os.path.exists(target) and not overwrite:
         raise DDPUsageError(f"{target} exists; pass --force (overwrite=True) to replace it")
+    for cell in chosen:
+        check_plain_python(cell)
     text = render(chosen, os.path.basename(target), backend)
-    compile(text, target, "exec")  # a cell with IPython-only syntax (%magic, !cmd) fails here, not under torchrun
+    compile(text, target, "exec")
     with open(target, "w", encoding="utf-8") as handle:
         handle.write(text)
     return target

@@ -6,6 +6,7 @@ The same steps for every provisioner; healing repeats the last one (joining a fr
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import warnings
@@ -196,6 +197,9 @@ def rank_spec(
         check_collectives=config.check_collectives,
         xray_key=xray_wire.world_key(stack_dir).hex() if stack_dir and not here else None,
         xray_toward=None if here else _notebook_address(config),
+        autoreload=config.autoreload,
+        notebook_host=socket.gethostname(),
+        notebook_folder=os.getcwd(),
     )
 
 
