@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from ddp_notebook import DDPCluster
@@ -135,7 +136,10 @@ def test_wandb_offline_holds_every_ranks_points(
     monkeypatch.delenv("WANDB_MODE", raising=False)
     world.track("wandb:curves", ranks="all", params=["lr"])
     world.execute(TRAINING)
+    assert [p.name() for p in psutil.Process().children(recursive=True) if p.name() == "wandb-core"]
     world.track(None)
+    # wandb's service process went with the run
+    assert [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "wandb-core"] == []
     [path] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     points: dict[str, list[tuple[int, float]]] = {}
     config: dict[str, Any] = {}

@@ -199,8 +199,14 @@ class WandbBackend:
 
     def end(self) -> None:
         if self.run is not None:
+            import wandb
+
             self.run.finish()
             self.run = None
+            if wandb.run is None:
+                # wandb's service process (wandb-core) outlives a finished run until the kernel
+                # exits; nothing of ours may: it goes with our run, unless the user has one open
+                wandb.teardown()
 
 
 def _plain(value: Any) -> Any:
