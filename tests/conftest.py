@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -160,3 +161,13 @@ def magics_driving(world: DDPCluster) -> Iterator[Any]:
     finally:
         magics.world = None  # the world is not the shell's to stop
         ip.run_line_magic("unload_ext", "ddp_notebook")
+
+
+def documented_magic_lines(page: Path, section: str | None = None) -> list[str]:
+    """The magic lines (`%...`) of the python blocks of a docs page, or of its `## section`, as
+    written there (a trailing comment left out): what a test must run as written."""
+    text = page.read_text()
+    if section is not None:
+        text = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.startswith("%")]

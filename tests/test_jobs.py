@@ -28,7 +28,7 @@ from ddp_notebook import DDPCluster
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.world import joblog, jobs, sbatch
 from tests import multihost
-from tests.conftest import owned_pids, wait_gone
+from tests.conftest import documented_magic_lines, owned_pids, wait_gone
 from tests.multihost import Network, SlurmCluster
 from tests.test_kernel import Kernel, kernel_world_pids
 
@@ -294,9 +294,7 @@ def closed(kernel: Kernel, pid: int) -> list[int]:
 
 def documented_lines() -> list[str]:
     """The magic lines of docs/scaling_out.md's batch jobs section, as written there."""
-    section = DOCS.read_text().split("## Batch jobs from the notebook", 1)[1]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("%ddp_")]
+    return documented_magic_lines(DOCS, "Batch jobs from the notebook")
 
 
 def printed(kernel: Kernel, code: str, timeout: float = 120, ran: list[str] | None = None) -> str:

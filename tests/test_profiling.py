@@ -5,7 +5,6 @@ with its phase; bad input gets one line; profiling off leaves nothing on the ran
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from ddp_notebook import DDPCluster, DDPUsageError, ProfileSettings
 from ddp_notebook.cell.profiling import parse_steps, prepare_folder
 from ddp_notebook.live.profile_analysis import CATEGORIES, _sweep
 from ddp_notebook.live.profile_view import ProfileReport
-from tests.conftest import magics_driving
+from tests.conftest import documented_magic_lines, magics_driving
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "seeing_inside.md"
 
@@ -193,9 +192,7 @@ def shell(world: DDPCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def documented_lines() -> list[str]:
     """The magic lines of docs/seeing_inside.md's profiling section, as written there."""
-    section = DOCS.read_text().split("## Profiling a few steps", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    return [line for block in blocks for line in block.splitlines() if line.startswith("%%ddp")]
+    return documented_magic_lines(DOCS, "Profiling a few steps")
 
 
 TRAINING_BODY = """

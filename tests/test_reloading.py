@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.rank.reloading import ModuleReloadError, Reloader
-from tests.conftest import wait_gone
+from tests.conftest import documented_magic_lines, wait_gone
 from tests.test_kernel import Kernel, _outs, kernel_world_pids
 
 
@@ -164,9 +163,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "your_code.md"
 
 
 def documented_lines() -> list[str]:
-    """The magic lines of docs/your_code.md's python blocks, as written there (comments left out)."""
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.startswith("%ddp")]
+    """The magic lines of docs/your_code.md, as written there (comments left out)."""
+    return documented_magic_lines(DOCS)
 
 
 @pytest.mark.integration

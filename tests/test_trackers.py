@@ -18,7 +18,7 @@ import pytest
 from ddp_notebook import DDPCluster
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.live.trackers import TrackerSettings
-from tests.conftest import wait_gone
+from tests.conftest import documented_magic_lines, wait_gone
 from tests.test_kernel import Kernel, kernel_world_pids
 
 pytest.importorskip("tensorboard")
@@ -175,9 +175,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "live.md"
 
 def documented_lines() -> list[str]:
     """The magic lines of docs/live.md's trackers section, as written there."""
-    section = DOCS.read_text().split("## Experiment trackers", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.startswith("%")]
+    return documented_magic_lines(DOCS, "Experiment trackers")
 
 
 def test_the_tracker_magics_in_a_kernel(tmp_path: Path) -> None:
