@@ -206,3 +206,24 @@ def _failing_cell(case: str, failing: int, waits_in: str) -> str:
             f"else:\n    {collective}\n"
         )
     return FAILING[case].format(f=failing) + collective + "\n"
+
+
+@pytest.mark.parametrize("size", SIZES, ids=[f"{size}ranks" for size in SIZES])
+def test_a_cell_that_ends_the_process_group_leaves_one_for_the_next_cell(
+    worlds: Worlds, size: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a script's last line, or a framework's (Accelerate's end_training()), pasted into a cell
+    world = worlds.of(size)
+    world.execute("x = torch.ones(1)\nprobe = 7 + rank")
+    capsys.readouterr()
+    world.execute("dist.destroy_process_group()\nended = not dist.is_initialized()")
+    said = capsys.readouterr().err
+    assert "the cell ended the process group (torch.distributed.destroy_process_group())" in said
+    assert "the process group was set up again in" in said and world.state == "healthy"
+    assert world.pull("ended") == {rank: True for rank in range(size)}
+    after = world.execute(AFTER, stream=False, timeout=30)
+    assert {rank: value["text/plain"] for rank, value in after.values.items()} == {
+        rank: f"({float(size)}, {1000 + rank})" for rank in range(size)
+    }
+    assert world.pull("probe") == {rank: 7 + rank for rank in range(size)}
+    worlds.note()

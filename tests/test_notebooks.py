@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 from pathlib import Path
@@ -185,6 +186,11 @@ def check_frameworks(text: str) -> None:
     assert loaded and "shards written: 2" in text
     assert float(loaded.group(1)) == pytest.approx(sums["FSDP2"], abs=2e-5) and loaded.group(3) in momentum
     assert text.count("process group up: True, sum of ranks + 1: 3.0") == 2
+    # each framework's own TensorBoard logger, written by rank 0 alone: one event file each, a point per
+    # 10 steps (Lightning's log_every_n_steps), per epoch (accelerator.log), per 20 steps (logging_steps)
+    assert "lightning: 1 event file(s), 'loss': 8 points" in text
+    assert "accelerate: 1 event file(s), 'loss': 20 points" in text
+    assert "hf_trainer: 1 event file(s), 'train/loss': 4 points" in text
 
 
 RING_BYTES = re.compile(r"^N=(\d): each rank sent ([\d.]+)x to ([\d.]+)x the tensor; 2\(N-1\)/N = ([\d.]+)$", re.M)
@@ -271,6 +277,52 @@ def check_seeing_inside(notebook: nbformat.NotebookNode, text: str) -> None:
     assert "[rank 0] after the breakpoint: scaled 0.2, sum over ranks 0.6" in text
 
 
+PROFILE_TRACE = re.compile(r"^rank(\d)\.pt\.trace\.json: rank (\d) of 2, (\d+) spans, steps (.+)$", re.MULTILINE)
+
+
+def check_profiling(notebook: nbformat.NotebookNode, text: str, folder: Path) -> None:
+    """The slow rank named from its trace with its phase, then none after the fix; a timeline with
+    every rank's lanes; a trace per rank read back; the tracker's run read back; no profiler chatter."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ddp_notebook.live.profile_analysis import CATEGORIES
+
+    shown = [
+        html.unescape(re.sub(r"<[^>]+>", " ", o["data"]["text/html"]))
+        for cell in notebook.cells
+        for o in cell.get("outputs", [])
+        if "text/html" in o.get("data", {}) and "traces in" in o["data"]["text/html"]
+    ]
+    assert len(shown) == 2, "a report under each profiled cell"
+    assert re.search(
+        r"rank 1 is the straggler: [\d.]+ ms per step outside communication vs [\d.]+ ms on the others .*"
+        r"mostly data: waiting for the next batch",
+        shown[0],
+    ), shown[0]
+    # fixed: no rank waits for its data (on a busy machine a rank a few ms slower in compute may be named)
+    assert "mostly data" not in shown[1] and "straggler" in shown[1], shown[1]
+    timelines = [f for f in plotly_figures(notebook) if [t.get("name") for t in f["data"]] == list(CATEGORIES)]
+    assert len(timelines) == 2
+    for timeline in timelines:
+        lanes = {y for trace in timeline["data"] for y in trace.get("y", [])}
+        assert {"rank 0", "rank 1", "rank 0 comm", "rank 1 comm"} <= lanes, lanes
+    traces = PROFILE_TRACE.findall(text)
+    assert [(name, rank) for name, rank, _, _ in traces] == [("0", "0"), ("1", "1")], traces
+    assert all(int(spans) > 100 and steps.count("ProfilerStep#") == 3 for _, _, spans, steps in traces)
+    for run in ("slow_disk", "fixed"):
+        assert sorted(p.name for p in (folder / "profiles" / run).iterdir()) == [
+            "rank0.pt.trace.json",
+            "rank1.pt.trace.json",
+        ]
+    assert "profiler_st" not in text and "unknown size" not in text, "the native profiler's chatter got through"
+    # the tracker's run: rank 0's 20 losses, as the notebook printed them
+    (run,) = [p for p in (folder / "runs").iterdir() if p.is_dir()]
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0}).Reload()
+    losses = [point.value for point in events.Scalars("loss")]
+    assert len(losses) == 20
+    assert f"run '{run.name}': 20 losses, first {losses[0]:.3f}, last {losses[-1]:.3f}" in text
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> None:
     # executed once per session, shared with the docs site's build (tests/conftest.py)
@@ -317,6 +369,8 @@ def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> Non
         check_ring_allreduce(notebook, text)
     if path.name == "11_mingpt.ipynb":
         check_mingpt(notebook, text, tmp_path)
+    if path.name == "12_profiling.ipynb":
+        check_profiling(notebook, text, tmp_path)
 
 
 def test_there_are_notebooks() -> None:

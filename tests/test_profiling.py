@@ -5,6 +5,7 @@ with its phase; bad input gets one line; profiling off leaves nothing on the ran
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,20 @@ def test_an_unwritable_folder_is_refused_before_anything_runs(tmp_path: Path) ->
     assert prepare_folder(tmp_path / "a" / "b") == (tmp_path / "a" / "b").resolve()
 
 
+def test_the_native_profilers_chatter_is_dropped_and_every_other_line_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    from ddp_notebook.rank.profiling import ChatterFilter
+
+    quiet = ChatterFilter()
+    os.write(2, b"USDT:2026-11-26 10:47:54 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start")
+    os.write(2, b"\n")  # kineto ends its line with a write of its own
+    os.write(2, b"E1126 CUPTI_ERROR_INSUFFICIENT_PRIVILEGES\n")
+    os.write(2, b"[W1126 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling\n")
+    os.write(2, b"a line of the user's")
+    quiet.close()
+    os.write(2, b"\nafter\n")
+    assert capfd.readouterr().err == "E1126 CUPTI_ERROR_INSUFFICIENT_PRIVILEGES\na line of the user's\nafter\n"
+
+
 def test_the_sweep_gives_each_moment_one_category() -> None:
     # compute 0-10 with an optimizer op 4-6 inside it, idle 10-12, a collective in flight 12-20
     spans = [(0.0, 10.0, "compute"), (4.0, 6.0, "optimizer"), (12.0, 20.0, "in_flight"), (14.0, 15.0, "data")]
@@ -105,14 +120,21 @@ def test_the_sweep_gives_each_moment_one_category() -> None:
 
 
 @pytest.mark.integration
-def test_a_profiled_cell_gives_every_ranks_lanes_traces_and_the_straggler(world: DDPCluster, tmp_path: Path) -> None:
+def test_a_profiled_cell_gives_every_ranks_lanes_traces_and_the_straggler(
+    world: DDPCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     world.execute(MODEL)
     before = left_on_ranks(world)
     world.execute(SLOW_DATA)  # profiling off: nothing is made on the ranks
     assert left_on_ranks(world) == before and all(none_held for _, none_held in before.values())
 
     folder = tmp_path / "profiles"
+    capsys.readouterr()
     world.execute(SLOW_DATA, profile=ProfileSettings(steps=3, folder=folder), timeout=120)
+    # the native profiler's routine lines at each start and stop are not the rank's output
+    shown = capsys.readouterr()
+    chatter = ("profiler_start", "profiler_stop", "unknown size")
+    assert not [line for line in (shown.out + shown.err).splitlines() if any(c in line for c in chatter)]
     report = world.last_profile
     assert isinstance(report, ProfileReport)
 

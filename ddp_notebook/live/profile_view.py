@@ -138,11 +138,24 @@ class ProfileReport:
             rows.append(row)
         return rows
 
+    @property
+    def verdict(self) -> str:
+        """The straggler and why, or, with two ranks or more timed and none clearly slower, that none is."""
+        if self.straggler is not None:
+            return str(self.straggler.describe())
+        busy = [r.busy for r in self.analysis.ranks.values() if r.steps]
+        if len(busy) < 2:
+            return ""
+        return (
+            f"no straggler: every rank spends {min(busy) * 1000:.1f} to {max(busy) * 1000:.1f} ms per step "
+            "outside communication"
+        )
+
     def describe(self) -> str:
         """The report as text (a script's or a terminal's view)."""
         lines = [f"[profile] {self.settings_text}; traces in {self.folder}"]
-        if self.straggler is not None:
-            lines.append(f"[profile] {self.straggler.describe()}")
+        if self.verdict:
+            lines.append(f"[profile] {self.verdict}")
         for row, r in zip(self.rows(), (self.analysis.ranks[k] for k in sorted(self.analysis.ranks))):
             parts = ", ".join(f"{c} {row[f'{c} ms']:.1f}" for c in CATEGORIES)
             overlap = f"{row['comm overlapping compute']:.0%}" if row["comm overlapping compute"] is not None else "n/a"
@@ -170,7 +183,9 @@ class ProfileReport:
             "(open them in Perfetto or TensorBoard's profiler view)</p>"
         ]
         if self.straggler is not None:
-            parts.append(f"<p style='color:#d62728'>{html.escape(self.straggler.describe())}</p>")
+            parts.append(f"<p style='color:#d62728'>{html.escape(self.verdict)}</p>")
+        elif self.verdict:
+            parts.append(f"<p>{html.escape(self.verdict)}</p>")
         parts.append(_table(self.rows()))
         for rank, r in sorted(self.analysis.ranks.items()):
             ops = [

@@ -349,10 +349,13 @@ def publish_names(context: RankContext) -> None:
 
 
 def _report_broken_group(result: Any) -> None:
-    """After a failed cell: tell the notebook when the failure broke this rank's process group
-    (judged here, by the exception's type, where the exception is; the notebook sees its text only)."""
+    """After a cell: tell the notebook when a failure broke this rank's process group (judged here,
+    by the exception's type, where the exception is; the notebook sees its text only), or when the
+    cell ended the group itself: a script's last line `dist.destroy_process_group()`, or a
+    framework's (Accelerate's `end_training()`), would leave the next cell without one."""
     error = getattr(result, "error_in_exec", None)
-    if error is not None and torch_adapter.breaks_group(error):
+    broken = error is not None and torch_adapter.breaks_group(error)
+    if broken or (joined_context() is not None and not dist.is_initialized()):
         from ..wire.results import GROUP_BROKEN_KEY
         from .channel import tell_notebook
 

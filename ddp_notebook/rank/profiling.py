@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ def start(request: ProfileRequest) -> None:
     )
     state.memory_on = request["memory"]
     RANK.profiling = state
+    state.quiet = _quiet()
     state.profiler.start()
     state.hook = register_optimizer_step_post_hook(_stepped)
 
@@ -109,6 +111,65 @@ def _stop(state: Profiling) -> None:
     if state.profiler is not None and not state.done:
         state.profiler.stop()  # while recording: the trace of the steps so far (`_trace_ready`)
     state.done = True
+    if state.quiet is not None:
+        state.quiet.close()
+        state.quiet = None
+
+
+# What torch's native profiler writes to stderr in a profiled cell: a line at every start and stop of
+# a recording, whatever its log level short of hiding its errors too, and a warning when memory
+# allocated before the recording is freed. A rank's output would carry them every profiled cell.
+PROFILER_CHATTER = (
+    b"SyncActivityProfilerHandler.cpp",
+    b"Memory block of unknown size was allocated before the profiling",
+)
+
+
+class ChatterFilter:
+    """While a cell is profiled, file descriptor 2 (where native code writes) goes through a pipe
+    whose reader passes every write on at once, less the profiler's routine lines: its errors,
+    and anything else, still show, in order."""
+
+    def __init__(self) -> None:
+        self._passed_to = os.dup(2)
+        self._pipe, write_end = os.pipe()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self._reader = threading.Thread(target=self._pass_on, name="ddp_notebook-profiler-stderr", daemon=True)
+        self._reader.start()
+
+    def close(self) -> None:
+        """Put file descriptor 2 back. The reader ends when nobody holds the pipe any more (a process
+        forked meanwhile, a data loader's worker, may hold it a while: its lines still get through)."""
+        os.dup2(self._passed_to, 2)
+        self._reader.join(timeout=1.0)
+
+    def _pass_on(self) -> None:
+        inside = False  # in a dropped line still to end: kineto writes its newline on its own
+        try:
+            while chunk := os.read(self._pipe, 65536):
+                kept = []
+                for piece in chunk.splitlines(keepends=True):
+                    if inside or _chatter(piece):
+                        inside = not piece.endswith((b"\n", b"\r"))
+                    else:
+                        kept.append(piece)
+                if kept:
+                    os.write(self._passed_to, b"".join(kept))
+        finally:
+            os.close(self._pipe)
+            os.close(self._passed_to)
+
+
+def _chatter(line: bytes) -> bool:
+    return any(marker in line for marker in PROFILER_CHATTER)
+
+
+def _quiet() -> ChatterFilter | None:
+    try:
+        return ChatterFilter()
+    except OSError:
+        return None  # no descriptor to spare: the chatter shows, nothing is lost
 
 
 def _drop() -> None:

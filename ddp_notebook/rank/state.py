@@ -137,6 +137,7 @@ class Profiling:
     steps: int = 0  # optimizer steps since the profile began
     memory_on: bool = True  # read the memory at each step
     memory: list[MemorySample] = field(default_factory=list)
+    quiet: Any = None  # profiling.ChatterFilter: the profiler's routine native lines kept out of the output
 
 
 @dataclass

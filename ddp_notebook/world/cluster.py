@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from ..cell import debugging, xray
-from ..cell.outcome import CellOutcome
+from ..cell.outcome import CellOutcome, Ending
 from ..cell.profiling import ProfiledCell, ProfileSettings
 from ..cell.relay import CellRelay, OutputSink
 from ..cell.supervision import RELEASE_SECONDS
@@ -343,7 +343,7 @@ class DDPCluster:
         a number of steps to record or `ProfileSettings(...)`; the traces go to a folder and
         `self.last_profile` holds what they show (a timeline per rank, the straggler, ...).
         """
-        return self.run(
+        outcome = self.run(
             code,
             ranks,
             timeout=timeout,
@@ -353,7 +353,11 @@ class DDPCluster:
             tracker=tracker,
             params=params,
             profile=profile,
-        ).raise_for_error()
+        )
+        result = outcome.raise_for_error()
+        if stream and outcome.heal_note:
+            print(outcome.heal_note.strip(), file=sys.stderr, flush=True)  # said by an error otherwise
+        return result
 
     def run(
         self,
@@ -430,6 +434,8 @@ class DDPCluster:
         elif relay.released or relay.group_broken():
             self._lifecycle.group_broke()
             heal_note = self._heal_after_cell(relay.unfinished())
+            if not failures and ending is Ending.DONE:  # nothing failed: the cell ended the group itself
+                heal_note = f"\nthe cell ended the process group (torch.distributed.destroy_process_group()){heal_note}"
         outcome = CellOutcome(
             result=result,
             ending=ending,
