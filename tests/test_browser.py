@@ -69,6 +69,14 @@ for _ in tqdm(range(5), desc="own tqdm"):
 display(go.FigureWidget(go.Bar(y=[3, 1, 2]), layout={"height": 250}))
 """
 
+# a profiled cell: its timeline and memory figures are plotly's own mimetype, drawn by jupyterlab-plotly
+PROFILE_CELL = """%%ddp --profile 2
+for step in range(5):
+    optimizer.zero_grad()
+    model(torch.randn(16, 8)).sum().backward()
+    optimizer.step()
+"""
+
 # what the page shows: the live view's bars and curves, the other plots, any error
 SNAPSHOT_JS = """() => {
   const live = document.querySelector('.ddp-live');
@@ -83,6 +91,10 @@ SNAPSHOT_JS = """() => {
       done: b.classList.contains('ddp-bar-done'),
     })) : [],
     otherPlots: plots.filter(p => !p.closest('.ddp-live')).map(p => (p.data || []).map(t => t.type)),
+    // the drawn bars of each lane of a profile's timeline (plotly draws a path per bar)
+    profileLanes: plots.filter(p => !p.closest('.ddp-live') && (p.data || []).some(t => t.name === 'compute'))
+      .map(p => [...new Set(p.data.flatMap(t => Array.from(t.y || [])))].sort()
+        .concat([p.querySelectorAll('.barlayer .point path').length])),
     otherBars: Array.from(document.querySelectorAll('.widget-hprogress'))
       .filter(p => !p.closest('.ddp-live'))
       .map(p => [p.parentElement.innerText, p.querySelector('.progress-bar').style.width]),
@@ -197,6 +209,7 @@ def write_notebook(path: Path) -> None:
         new_code_cell("%load_ext ddp_notebook\n%ddp_start 2"),
         new_code_cell(TRAIN_CELL),
         new_code_cell(OWN_WIDGETS_CELL),
+        new_code_cell(PROFILE_CELL),
         new_code_cell("%ddp_stop"),
     ]
     notebook = new_notebook(
@@ -246,7 +259,7 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
             browser.close()
 
     assert final["errors"] == [], final["errors"]
-    assert final["views"] == 1
+    assert final["views"] == 1  # the profiled cell logs nothing: no live view under it
     # the bars: one per rank per loop level, all full
     labels = sorted(bar["label"].split("\n")[0].strip() for bar in final["bars"])
     assert labels == ["rank 0 · batch", "rank 0 · epoch", "rank 1 · batch", "rank 1 · epoch"], final["bars"]
@@ -261,7 +274,12 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
     growing = {max(trace[2] for trace in s["traces"]) for s in samples if s["traces"]}
     assert len([n for n in growing if 0 < n < EPOCHS * BATCHES]) >= 3, sorted(growing)
     # the rank's own tqdm bar and plotly figure came through too
-    assert [["bar"]] == final["otherPlots"]
+    assert final["otherPlots"][0] == ["bar"]
+    # the profiled cell's timeline, drawn: a lane per rank and its collectives, bars in them
+    assert len(final["profileLanes"]) == 1, final["otherPlots"]
+    *lanes, drawn = final["profileLanes"][0]
+    assert lanes == ["rank 0", "rank 0 comm", "rank 1", "rank 1 comm"] and drawn > 20, final["profileLanes"]
+    assert any("scatter" in plot for plot in final["otherPlots"][1:]), "the memory figure under it"
     own_bars = [(" ".join(text.replace("\u2007", " ").split()), width) for text, width in final["otherBars"]]
     assert len(own_bars) == 1 and own_bars[0][1] == "100%", own_bars
     assert own_bars[0][0].startswith("own tqdm: 100%") and "5/5" in own_bars[0][0], own_bars
