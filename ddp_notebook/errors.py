@@ -146,4 +146,5 @@ def one_line(failure: BaseException) -> str:
 
 
 class InsecureNetworkWarning(UserWarning):
-    """The world's torch.distributed traffic crosses a network: it is neither encrypted nor authenticated."""
+    """The world's torch.distributed traffic crosses a network: gloo's and NCCL's is neither encrypted
+    nor authenticated (the rendezvous store's values are signed on gloo, not encrypted)."""

@@ -9,7 +9,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +171,23 @@ def documented_magic_lines(page: Path, section: str | None = None) -> list[str]:
         text = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.startswith("%")]
+
+
+@dataclass
+class CellOutput:
+    """What a cell's iopub messages said, as a notebook shows it: its text (stream, results and
+    displays as text/plain, tracebacks) and its error's name; `take` says when the cell is done."""
+
+    text: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def take(self, kind: str, content: dict[str, Any]) -> bool:
+        """Fold in one iopub message of the cell; True once the kernel went idle after it."""
+        if kind == "stream":
+            self.text.append(content["text"])
+        elif kind in ("execute_result", "display_data"):
+            self.text.append(content["data"].get("text/plain", "") + "\n")
+        elif kind == "error":
+            self.error = content["ename"]
+            self.text.append("\n".join(content["traceback"]) + "\n")
+        return kind == "status" and content["execution_state"] == "idle"

@@ -92,14 +92,11 @@ start (harmless: libpmix.so is in libpmix-dev); a first job waits ~2 s for the s
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import pwd
 import random
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -108,8 +105,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
+
+from tests.run_records import RunRecord, alive, locked, start_time, stop_pids
 
 SUBNET_BASE = "10.231"  # hosts get 10.231.X.11, .12, ...; the bridge 10.231.X.1
 STATE_DIR = Path(tempfile.gettempdir()) / "ddp-multihost"
@@ -120,42 +120,7 @@ SSH_PORT = 22
 # processes
 
 
-def _start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
-
-
-def _alive(pid: int, start: int | None = None) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-    now = _start_time(pid)
-    return now is not None and (start is None or now == start)
-
-
-def stop_pids(pids: dict[int, int | None], seconds: float = 5.0) -> list[int]:
-    """SIGTERM each pid (a pid -> start time map, so a reused pid is never hit), SIGKILL what is
-    left after `seconds`; returns the pids still alive after that."""
-    for sig, wait in ((signal.SIGTERM, seconds), (signal.SIGKILL, 5.0)):
-        # no start time: it was gone when recorded, and its pid may be someone else's now
-        alive = [pid for pid, start in pids.items() if start is not None and _alive(pid, start)]
-        for pid in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-            alive = [pid for pid in alive if _alive(pid, pids[pid])]
-        if not alive:
-            return []
-    return alive
-
-
-def processes_with_env(entry: str) -> dict[int, int | None]:
+def processes_with_env(entry: str) -> dict[int, float | None]:
     """Live processes whose environment has `entry` ("NAME=value"): pid -> start time."""
     found = {}
     marker = entry.encode()
@@ -165,7 +130,7 @@ def processes_with_env(entry: str) -> dict[int, int | None]:
         try:
             with open(f"/proc/{name}/environ", "rb") as handle:
                 if marker in handle.read().split(b"\0"):
-                    start = _start_time(int(name))
+                    start = start_time(int(name))
                     if start is not None:
                         found[int(name)] = start
         except OSError:
@@ -201,48 +166,26 @@ def require_root() -> None:
 
 
 @dataclass
-class _Record:
+class _Record(RunRecord):
+    state_dir: ClassVar[Path] = STATE_DIR
+    pid_maps: ClassVar[tuple[str, ...]] = ("processes",)
     run_id: str
     owner: int = field(default_factory=os.getpid)
-    owner_start: int | None = field(default_factory=lambda: _start_time(os.getpid()))
+    owner_start: float | None = field(default_factory=lambda: start_time(os.getpid()))
     links: list[str] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
-    processes: dict[int, int | None] = field(default_factory=dict)  # pid -> start time
+    processes: dict[int, float | None] = field(default_factory=dict)  # pid -> start time
     env_markers: list[str] = field(default_factory=list)  # processes with this NAME=value are ours
     paths: list[str] = field(default_factory=list)  # directories to remove
 
-    @property
-    def path(self) -> Path:
-        return STATE_DIR / f"{self.run_id}.json"
-
     def track(self, pid: int) -> None:
-        self.processes[pid] = _start_time(pid)
+        self.processes[pid] = start_time(pid)
         self.save()
 
-    def save(self) -> None:
-        STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__))
-        tmp.replace(self.path)
 
-    @classmethod
-    def load(cls, path: Path) -> _Record:
-        data = json.loads(path.read_text())
-        data["processes"] = {int(pid): start for pid, start in data["processes"].items()}
-        return cls(**data)
-
-
-@contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-    with open(STATE_DIR / "lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
-def _netns_pids(namespace: str) -> dict[int, int | None]:
+def _netns_pids(namespace: str) -> dict[int, float | None]:
     out = _run("ip", "netns", "pids", namespace, check=False).stdout.split()
-    return {int(pid): _start_time(int(pid)) for pid in out}
+    return {int(pid): start_time(int(pid)) for pid in out}
 
 
 def _remove(record: _Record) -> list[str]:
@@ -281,7 +224,7 @@ def reap_stale_runs() -> None:
             record = _Record.load(path)
         except (OSError, ValueError, TypeError):
             continue
-        if _alive(record.owner, record.owner_start):
+        if alive(record.owner, record.owner_start):
             continue
         if not _remove(record):
             path.unlink(missing_ok=True)
@@ -348,7 +291,7 @@ def network_namespaces(n: int = 2) -> Iterator[Network]:
     bridge = f"ddpbr{run_id}"
     failure: BaseException | None = None
     try:
-        with _lock():  # two runs must not pick the same subnet
+        with locked(STATE_DIR):  # two runs must not pick the same subnet
             net = _free_subnet()
             record.links.append(bridge)
             record.save()
@@ -419,7 +362,7 @@ class SSHHosts:
     config: Path  # ssh -F CONFIG HOST / scp -F CONFIG
     hosts: list[str]  # host names in the config, "ddp-h1", ...
     key: Path  # the client's private key
-    pids: dict[int, int | None]  # sshd pid -> start time
+    pids: dict[int, float | None]  # sshd pid -> start time
 
     @property
     def ssh_args(self) -> list[str]:
@@ -516,7 +459,7 @@ def ssh_hosts(network: Network) -> Iterator[SSHHosts]:
     record.save()
     bashrc = os.path.join(pwd.getpwuid(os.geteuid()).pw_dir, ".bashrc")
     processes: dict[int, subprocess.Popen] = {}
-    pids: dict[int, int | None] = {}
+    pids: dict[int, float | None] = {}
     failure: BaseException | None = None
     try:
         key = tmp / "id_ed25519"
@@ -576,7 +519,7 @@ def ssh_hosts(network: Network) -> Iterator[SSHHosts]:
                     start_new_session=True,
                 )
             processes[process.pid] = process
-            pids[process.pid] = _start_time(process.pid)
+            pids[process.pid] = start_time(process.pid)
             record.track(process.pid)
             _wait_for_ssh(host.address, SSH_PORT, process, log)
         yield SSHHosts(config, [host.name for host in network], key, dict(pids))
@@ -647,7 +590,7 @@ class SlurmCluster:
     config: Path
     nodes: list[str]  # node names: "ddp-n1" on this machine, or the hosts' names
     partition: str
-    pids: dict[int, int | None]  # slurmctld and slurmd(s): pid -> start time
+    pids: dict[int, float | None]  # slurmctld and slurmd(s): pid -> start time
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return _run(*cmd, check=check, env={**os.environ, **self.env})
@@ -770,7 +713,7 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
                 *daemon,
             ]
         daemons[f"slurmd-{node}"] = daemon
-    pids: dict[int, int | None] = {}
+    pids: dict[int, float | None] = {}
     processes = []
     cluster: SlurmCluster | None = None
     failure: BaseException | None = None
@@ -786,7 +729,7 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
                     start_new_session=True,
                 )
             processes.append(process)
-            pids[process.pid] = _start_time(process.pid)
+            pids[process.pid] = start_time(process.pid)
             record.track(process.pid)
         deadline = time.monotonic() + idle_timeout
         while True:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from jupyter_client.manager import KernelManager
 
-from tests.conftest import owned_pids, wait_gone
+from tests.conftest import CellOutput, owned_pids, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +43,7 @@ class Kernel:
         msg_id = self.client.execute(code, allow_stdin=on_prompt is not None)
         began = time.monotonic()
         interrupted = False
-        text: list[str] = []
-        error = None
+        output = CellOutput()
         while True:
             if interrupt_after is not None and not interrupted and time.monotonic() - began > interrupt_after:
                 self.manager.interrupt_kernel()
@@ -59,16 +58,8 @@ class Kernel:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                text.append(content["text"])
-            elif kind in ("execute_result", "display_data"):
-                text.append(content["data"].get("text/plain", "") + "\n")
-            elif kind == "error":
-                error = content["ename"]
-                text.append("\n".join(content["traceback"]) + "\n")
-            elif kind == "status" and content["execution_state"] == "idle":
-                return "".join(text), error
+            if output.take(msg["msg_type"], msg["content"]):
+                return "".join(output.text), output.error
 
     def _answer_prompt(self, on_prompt: Callable[[str], str | None]) -> None:
         try:

@@ -54,7 +54,9 @@ import json, sys, time
 from ddp_notebook import DDPCluster
 world = DDPCluster(2, backend="gloo").start()
 cluster = world.provisioner.cluster
-print(json.dumps([world.all_pids, cluster.profile_dir, cluster.cluster_id]), flush=True)
+template = getattr(world.provisioner, "template", None)
+folders = [world.private_dir] + ([template.directory] if template is not None else [])
+print(json.dumps([world.all_pids, cluster.profile_dir, cluster.cluster_id, folders]), flush=True)
 time.sleep(600)
 """
 
@@ -68,8 +70,10 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
     try:
         assert owner.stdout is not None
         line = owner.stdout.readline()
-        pids, profile_dir, cluster_id = json.loads(line)
+        pids, profile_dir, cluster_id, folders = json.loads(line)
         assert len(pids) > 3 and all(pid_alive(p) for p in pids)  # controller helpers included
+        # the world's private folder (its key, the X-ray's sockets, the rendezvous file) and the template's
+        assert len(folders) == 2 and all(os.path.isdir(folder) for folder in folders), folders
     finally:
         owner.send_signal(signal.SIGKILL)  # no atexit, no clean-up: only the rank-side watch can help
         owner.wait(10)
@@ -80,6 +84,7 @@ def test_ranks_and_controller_exit_when_their_kernel_is_killed(tmp_path: Path) -
     assert leftover == []
     # its connection files (which hold the cluster's key), its logs and its engine registry went with it
     assert cluster_files(profile_dir, cluster_id) == []
+    assert [folder for folder in folders if os.path.exists(folder)] == [], "the world's folders outlived the kernel"
 
 
 def test_key_material_is_private_and_removed_on_stop(no_leaks: None) -> None:

@@ -23,6 +23,8 @@ log = logging.getLogger("ddp_notebook")
 # what the notebook side tells the processes it starts, through their environment
 OWNER_PID_ENV = "DDP_NOTEBOOK_OWNER_PID"  # the kernel's PID: its processes exit when it dies
 OWNER_HOST_ENV = "DDP_NOTEBOOK_OWNER_HOST"  # the kernel's host: a PID means nothing elsewhere
+# the world's private folders (os.pathsep between them): the controller removes them if the kernel dies
+OWNER_FOLDERS_ENV = "DDP_NOTEBOOK_OWNER_FOLDERS"
 SLOT_ENV = "DDP_NOTEBOOK_SLOT"  # the rank a locally launched engine was started for
 PRELOAD_ENV = "DDP_NOTEBOOK_PRELOAD"  # "0" turns off importing torch while the rank registers
 # how often a wait on ranks (a running cell, a comeback) checks that their processes are alive

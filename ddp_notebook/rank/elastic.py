@@ -173,7 +173,14 @@ def begin_replay(spec: RankSpec) -> None:
     # its own group's rendezvous is on its own host: MASTER_ADDR is rank 0's, maybe elsewhere
     port = rank_side.open_rendezvous(LOOPBACK)
     alone = dataclasses.replace(
-        spec, rank=0, world_size=1, local_world_size=1, stack_dir=None, master_addr=LOOPBACK, master_port=port
+        spec,
+        rank=0,
+        world_size=1,
+        local_world_size=1,
+        stack_dir=None,
+        master_addr=LOOPBACK,
+        master_port=port,
+        store_path=f"{spec.store_path}-alone{spec.rank}" if spec.store_path else None,
     )
     rank_side.init_world(alone)
     joined = rank_side.joined_context()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -20,7 +21,13 @@ import threading
 import time
 
 from ddp_notebook.platform.cluster_files import remove_cluster_files
-from ddp_notebook.platform.processes import OWNER_HOST_ENV, OWNER_PID_ENV, PRELOAD_ENV, descendants
+from ddp_notebook.platform.processes import (
+    OWNER_FOLDERS_ENV,
+    OWNER_HOST_ENV,
+    OWNER_PID_ENV,
+    PRELOAD_ENV,
+    descendants,
+)
 
 OWNER_POLL_SECONDS = 1.0
 CONTROLLER_ENV = "DDP_NOTEBOOK_IS_CONTROLLER"
@@ -77,10 +84,15 @@ def _kill_children() -> None:
 
 
 def _remove_cluster_files() -> None:
-    """Delete this cluster's files (its connection files hold its key), as a clean stop would."""
+    """Delete this cluster's files (its connection files hold its key) and the world's private
+    folders, as a clean stop would."""
+    if not os.environ.get(CONTROLLER_ENV):
+        return
     cluster_id, profile_dir = os.environ.get("IPP_CLUSTER_ID"), os.environ.get("IPP_PROFILE_DIR")
-    if cluster_id and profile_dir and os.environ.get(CONTROLLER_ENV):
+    if cluster_id and profile_dir:
         remove_cluster_files(profile_dir, cluster_id)
+    for folder in filter(None, os.environ.get(OWNER_FOLDERS_ENV, "").split(os.pathsep)):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _preload() -> None:

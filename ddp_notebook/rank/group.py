@@ -21,6 +21,7 @@ from ..platform.network import listen
 from ..wire.join import JoinReport, RankSpec
 from . import torch_adapter
 from . import xray as xray_rank
+from .rendezvous import SignedStore
 from .state import RANK, RankContext
 
 
@@ -75,7 +76,7 @@ def init_world(spec: RankSpec) -> JoinReport:
     _import_dynamo_first()
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = _make_store(rank, world_size, spec.master_addr, spec.master_port, timeout)
+    store = _make_store(spec, timeout)
     init_kwargs: dict[str, Any] = {}
     if device.type == "cuda" and spec.backend == "nccl":
         # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
@@ -313,7 +314,20 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def _make_store(rank: int, world_size: int, host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+def _make_store(spec: RankSpec, timeout: datetime.timedelta) -> dist.Store:
+    """The world's rendezvous: a file in its private folder (every rank on this host), or rank 0's
+    TCPStore, its values signed where the spec says (see rank/rendezvous.py)."""
+    if spec.store_path:
+        close_rendezvous()  # unused: MASTER_PORT stays free, as under torchrun, for an init of the user's own
+        return dist.FileStore(spec.store_path, spec.world_size)
+    store: dist.Store = _tcp_store(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout)
+    if spec.store_key:
+        # torch keeps only the C++ side of a store written in Python: the rank holds the Python one
+        store = RANK.membership.signed_store = SignedStore(store, bytes.fromhex(spec.store_key))
+    return store
+
+
+def _tcp_store(rank: int, world_size: int, host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
     if rank == 0:
         listener = RANK.membership.listener
         if listener is None:

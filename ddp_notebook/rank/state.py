@@ -53,6 +53,7 @@ class Membership:
     stack_dumps: bool = False  # faulthandler's signal and the X-ray's socket are set up (once a process)
     run_id: str | None = None  # rank 0: the TORCHELASTIC_RUN_ID it shares with the world
     joins: int = 0  # rank 0: groups formed after the first, the world's TORCHELASTIC_RESTART_COUNT
+    signed_store: Any = None  # rendezvous.SignedStore of a world across hosts (torch holds only its C++ side)
 
 
 @dataclass

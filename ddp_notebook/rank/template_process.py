@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -81,6 +82,8 @@ class _Template:
                 self._reap()
         except _Stop:
             pass
+        else:  # the kernel is gone, and nobody else removes the template's folder (its socket, its log)
+            shutil.rmtree(os.path.dirname(self.listener.getsockname()), ignore_errors=True)
         for pid in self.children:
             _kill_group(pid)
         os._exit(0)

@@ -43,6 +43,10 @@ class RankSpec:
     # ranks on other hosts: the world's X-ray key (hex) and the notebook's address its X-ray serves toward
     xray_key: str | None = None
     xray_toward: str | None = None
+    # the rendezvous: a world on this host only forms in a file of its private folder (no port any
+    # other user of the host can reach); a world across hosts, on TCP, signs every value with store_key (hex)
+    store_path: str | None = None
+    store_key: str | None = None
     # reload edited user modules before each cell (%ddp_autoreload)
     autoreload: bool = True
     # the notebook's host and folder: a rank works there, or in a sync folder where it does not exist

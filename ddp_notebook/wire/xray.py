@@ -60,6 +60,12 @@ def world_key(directory: str) -> bytes:
     return key
 
 
+def rendezvous_key(directory: str) -> bytes:
+    """The key the ranks sign the rendezvous store's values with: the world's key, put to one use
+    of its own (a value signed for the store is no X-ray answer, and the other way round)."""
+    return hmac.new(world_key(directory), b"ddp_notebook rendezvous store", hashlib.sha256).digest()
+
+
 def new_challenge() -> bytes:
     return secrets.token_bytes(CHALLENGE_BYTES)
 

@@ -7,6 +7,7 @@ The same steps for every provisioner; healing repeats the last one (joining a fr
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import time
 import warnings
@@ -123,9 +124,9 @@ def plan_routes(provisioner: Provisioner, world: WorldLayout, deadline: float) -
         )
     warnings.warn(
         InsecureNetworkWarning(
-            f"the ranks span {len({p.host for p in placements})} hosts: torch.distributed's rendezvous and "
-            "gloo/NCCL traffic between them is neither encrypted nor authenticated; run this only on a "
-            "network you trust (ipyparallel's own messages are encrypted with CurveZMQ)"
+            f"the ranks span {len({p.host for p in placements})} hosts: gloo/NCCL traffic between them is neither "
+            "encrypted nor authenticated, and the rendezvous is not encrypted (its values are signed on gloo); "
+            "run this only on a network you trust (ipyparallel's own messages are encrypted with CurveZMQ)"
         ),
         stacklevel=4,
     )
@@ -145,8 +146,9 @@ def join_process_group(
     except Exception as failure:  # noqa: BLE001  (any remote failure ends the start)
         raise StartError(f"rank 0 could not set up torch.distributed: {one_line(failure)}") from None
     pending = {}
+    store_path = private_store_path(world, stack_dir, port)
     for placement in placements:
-        spec = rank_spec(config, world, placement, port, stack_dir)
+        spec = rank_spec(config, world, placement, port, stack_dir, store_path)
         pending[placement.rank] = client[placement.engine_id].apply_async(rank_calls.init_world, spec)
     ranks = {}
     for placement in placements:
@@ -173,10 +175,25 @@ def join_process_group(
     return ranks
 
 
+def private_store_path(world: WorldLayout, stack_dir: str | None, port: int) -> str | None:
+    """Where a world whose ranks all run on this host forms its group: a file in the world's private
+    folder, which only this user can open (torch's TCPStore would take anyone on the host who
+    connects to its port). None for a world across hosts. A new name at every forming."""
+    if stack_dir is None or any(p.host != socket.gethostname() for p in world.placements):
+        return None
+    return os.path.join(stack_dir, f"rendezvous-{port}-{secrets.token_hex(4)}")
+
+
 def rank_spec(
-    config: WorldConfig, world: WorldLayout, placement: layout.Placement, port: int, stack_dir: str | None
+    config: WorldConfig,
+    world: WorldLayout,
+    placement: layout.Placement,
+    port: int,
+    stack_dir: str | None,
+    store_path: str | None = None,
 ) -> RankSpec:
-    """What rank `placement.rank` needs to join the group whose rendezvous is at rank 0's `port`."""
+    """What rank `placement.rank` needs to join the group whose rendezvous is at rank 0's `port`
+    (or in the file `store_path`, for a world on this host only)."""
     address, interface = world.routes[placement.rank]
     here = placement.host == socket.gethostname()
     return RankSpec(
@@ -197,6 +214,13 @@ def rank_spec(
         check_collectives=config.check_collectives,
         xray_key=xray_wire.world_key(stack_dir).hex() if stack_dir and not here else None,
         xray_toward=None if here else _notebook_address(config),
+        store_path=store_path,
+        # NCCL's group splits clone the store, which torch's bridge to a store written in Python lacks
+        store_key=(
+            xray_wire.rendezvous_key(stack_dir).hex()
+            if stack_dir and store_path is None and world.backend == "gloo"
+            else None
+        ),
         autoreload=config.autoreload,
         notebook_host=socket.gethostname(),
         notebook_folder=os.getcwd(),

@@ -62,7 +62,9 @@ class ControlledProvisioner(Provisioner):
         )
         self.cluster.start_controller_sync(
             controller_cmd=[sys.executable, "-m", ENTRY, "controller"],
-            environment=self.owner_environment(),
+            # a kernel that dies cannot remove the world's private folder (its key, the X-ray's
+            # sockets, the rendezvous file): the controller, which outlives it by a second, does
+            environment={**self.owner_environment(), processes.OWNER_FOLDERS_ENV: self.private_dir},
             **(controller_options or {}),
         )
         return self.cluster
