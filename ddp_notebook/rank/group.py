@@ -21,7 +21,6 @@ from ..platform.network import listen
 from ..wire.join import JoinReport, RankSpec
 from . import torch_adapter
 from . import xray as xray_rank
-from .rendezvous import SignedStore
 from .state import RANK, RankContext
 
 
@@ -322,6 +321,8 @@ def _make_store(spec: RankSpec, timeout: datetime.timedelta) -> dist.Store:
         return dist.FileStore(spec.store_path, spec.world_size)
     store: dist.Store = _tcp_store(spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout)
     if spec.store_key:
+        from .rendezvous import SignedStore  # a world across hosts only: no import at a rank's start
+
         # torch keeps only the C++ side of a store written in Python: the rank holds the Python one
         store = RANK.membership.signed_store = SignedStore(store, bytes.fromhex(spec.store_key))
     return store
