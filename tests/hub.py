@@ -63,7 +63,7 @@ import requests
 
 from tests import memory_cgroup
 from tests.conftest import CellOutput
-from tests.run_records import RunRecord, alive, locked, start_time, stop_pids
+from tests.run_records import RunRecord, locked, reap_stale_runs, start_time, stop_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_DOC = ROOT / "docs" / "jupyterhub.md"
@@ -285,19 +285,6 @@ def _remove_cgroups(parent: Path) -> list[str]:
         except memory_cgroup.Unavailable as failure:
             problems.append(str(failure))
     return problems
-
-
-def reap_stale_runs() -> None:
-    """Remove what runs whose owner process is gone (killed before their teardown) left behind."""
-    if not STATE_DIR.is_dir():
-        return
-    for path in STATE_DIR.glob("*.json"):
-        try:
-            record = _Record.load(path)
-        except (OSError, ValueError, TypeError):
-            continue
-        if not alive(record.owner, record.owner_start) and not _remove(record):
-            path.unlink(missing_ok=True)
 
 
 def _create_users(record: _Record) -> list[pwd.struct_passwd]:
@@ -572,7 +559,7 @@ def running_hub() -> Iterator[Hub]:
     """A hub with the users of USERS, from the config of docs/jupyterhub.md; see the module's doc."""
     require_hub()
     with locked(STATE_DIR):
-        reap_stale_runs()
+        reap_stale_runs(_Record, _remove)
         folder = Path(tempfile.mkdtemp(prefix="ddp-hub-"))  # 0700: the config's secrets stay root's
         record = _Record(secrets.token_hex(4), folder=str(folder))
         record.save()

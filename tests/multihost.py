@@ -109,7 +109,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.run_records import RunRecord, alive, locked, start_time, stop_pids
+from tests.run_records import RunRecord, locked, reap_stale_runs, start_time, stop_pids
 
 SUBNET_BASE = "10.231"  # hosts get 10.231.X.11, .12, ...; the bridge 10.231.X.1
 STATE_DIR = Path(tempfile.gettempdir()) / "ddp-multihost"
@@ -215,21 +215,6 @@ def _remove(record: _Record) -> list[str]:
     return problems
 
 
-def reap_stale_runs() -> None:
-    """Remove what runs whose owner process is gone (killed before their teardown) left behind."""
-    if not STATE_DIR.is_dir():
-        return
-    for path in STATE_DIR.glob("*.json"):
-        try:
-            record = _Record.load(path)
-        except (OSError, ValueError, TypeError):
-            continue
-        if alive(record.owner, record.owner_start):
-            continue
-        if not _remove(record):
-            path.unlink(missing_ok=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # network namespaces
 
@@ -285,7 +270,7 @@ def network_namespaces(n: int = 2) -> Iterator[Network]:
     """A bridge and `n` namespaces joined to it: yields a Network (iterable of Host)."""
     require_root()
     _require("ip")
-    reap_stale_runs()
+    reap_stale_runs(_Record, _remove)
     run_id = secrets.token_hex(3)  # interface names are limited to 15 characters
     record = _Record(run_id)
     bridge = f"ddpbr{run_id}"
@@ -658,7 +643,7 @@ def slurm_cluster(network: Network | None = None, idle_timeout: float = 20.0) ->
     """
     require_root()
     _require("slurmctld", "slurmd", "sbatch", "sinfo", "scancel", "nsenter", "unshare")
-    reap_stale_runs()
+    reap_stale_runs(_Record, _remove)
     run_id = secrets.token_hex(3)
     tmp = Path(tempfile.mkdtemp(prefix=f"ddp-slurm-{run_id}-"))
     config = tmp / "slurm.conf"

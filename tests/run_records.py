@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,6 +42,22 @@ class RunRecord:
         for name in cls.pid_maps:
             data[name] = {int(pid): start for pid, start in data[name].items()}
         return cls(**data)
+
+
+def reap_stale_runs(record_type: type[RunRecord], remove: Callable[[Any], list[str]]) -> None:
+    """Undo, with `remove`, what runs whose owner process is gone (killed before their teardown)
+    left behind; a record goes once `remove` reports no problem."""
+    if not record_type.state_dir.is_dir():
+        return
+    for path in record_type.state_dir.glob("*.json"):
+        try:
+            record = record_type.load(path)
+        except (OSError, ValueError, TypeError):
+            continue
+        if alive(record.owner, record.owner_start):
+            continue
+        if not remove(record):
+            path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
