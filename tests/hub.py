@@ -209,9 +209,6 @@ def namespace_command(stage: Path) -> list[str]:
 class _Record(RunRecord):
     state_dir: ClassVar[Path] = STATE_DIR
     pid_maps: ClassVar[tuple[str, ...]] = ("hub",)
-    run_id: str
-    owner: int = field(default_factory=os.getpid)
-    owner_start: float | None = field(default_factory=lambda: start_time(os.getpid()))
     users: list[str] = field(default_factory=list)
     namespace: str | None = None
     folder: str | None = None  # the hub's folder: its config, database and log

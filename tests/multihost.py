@@ -169,9 +169,6 @@ def require_root() -> None:
 class _Record(RunRecord):
     state_dir: ClassVar[Path] = STATE_DIR
     pid_maps: ClassVar[tuple[str, ...]] = ("processes",)
-    run_id: str
-    owner: int = field(default_factory=os.getpid)
-    owner_start: float | None = field(default_factory=lambda: start_time(os.getpid()))
     links: list[str] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
     processes: dict[int, float | None] = field(default_factory=dict)  # pid -> start time

@@ -11,20 +11,25 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import psutil
 
 
+@dataclass
 class RunRecord:
-    """A harness's record, a dataclass with a `run_id`, saved as JSON in `state_dir`.
+    """A harness's record (a dataclass adding its own fields after `run_id`), saved as JSON in
+    `state_dir`, with the process that made it: once that is gone, the next run undoes the rest.
 
     `pid_maps` names its fields that map pids to start times (JSON keeps their keys as text)."""
 
     state_dir: ClassVar[Path]
     pid_maps: ClassVar[tuple[str, ...]] = ()
     run_id: str
+    owner: int = field(default_factory=os.getpid, kw_only=True)
+    owner_start: float | None = field(default_factory=lambda: start_time(os.getpid()), kw_only=True)
 
     @property
     def path(self) -> Path:

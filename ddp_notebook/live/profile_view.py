@@ -154,8 +154,9 @@ class ProfileReport:
     def describe(self) -> str:
         """The report as text (a script's or a terminal's view)."""
         lines = [f"[profile] {self.settings_text}; traces in {self.folder}"]
-        if self.verdict:
-            lines.append(f"[profile] {self.verdict}")
+        verdict = self.verdict
+        if verdict:
+            lines.append(f"[profile] {verdict}")
         for row, r in zip(self.rows(), (self.analysis.ranks[k] for k in sorted(self.analysis.ranks))):
             parts = ", ".join(f"{c} {row[f'{c} ms']:.1f}" for c in CATEGORIES)
             overlap = f"{row['comm overlapping compute']:.0%}" if row["comm overlapping compute"] is not None else "n/a"
@@ -182,10 +183,10 @@ class ProfileReport:
             f"<p><b>profile</b>: {html.escape(self.settings_text)}; traces in <code>{folder}</code> "
             "(open them in Perfetto or TensorBoard's profiler view)</p>"
         ]
-        if self.straggler is not None:
-            parts.append(f"<p style='color:#d62728'>{html.escape(self.verdict)}</p>")
-        elif self.verdict:
-            parts.append(f"<p>{html.escape(self.verdict)}</p>")
+        verdict = self.verdict
+        if verdict:
+            style = " style='color:#d62728'" if self.straggler is not None else ""
+            parts.append(f"<p{style}>{html.escape(verdict)}</p>")
         parts.append(_table(self.rows()))
         for rank, r in sorted(self.analysis.ranks.items()):
             ops = [
