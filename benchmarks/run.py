@@ -3,6 +3,7 @@ on every subject and writes results/peers.md.
 
     python benchmarks/run.py SCENARIO [--subjects a,b,...] [--ranks N] [--repeats K] [--json PATH] [options]
     python benchmarks/run.py all          # results/<scenario>.json for each
+    python benchmarks/run.py scale [--sizes 2,8,...] [--browser N]   # a simulated world as ranks grow
     bash benchmarks/peers_env.sh && benchmarks/.peers-venv/bin/python benchmarks/run.py peers
 
 Exits non-zero if a subject failed, or if any process started by the run outlived it.
@@ -40,7 +41,7 @@ DEFAULTS = {
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("scenario", choices=[*CHOICES, "all", "peers"])
+    add("scenario", choices=[*CHOICES, "all", "peers", "scale"])
     add("--subjects", help=f"comma-separated, of: {', '.join(SUBJECTS)} (default: the scenario's own)")
     add("--ranks", type=int, default=2, help="ranks per world (default: 2)")
     add("--repeats", type=int, help="rounds, each measuring every subject (default: the scenario's own)")
@@ -104,6 +105,11 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["scale"]:  # its own table and options (benchmarks/scale.py)
+        import scale
+
+        return scale.main(arguments[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     check(parser, args)

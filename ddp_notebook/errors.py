@@ -1,17 +1,47 @@
-"""The DDPError family.
+"""The DDPError family, and how its messages name ranks.
 
 `UsageError`-style mistakes (bad arguments, no world running) derive from `DDPUsageError`
-so the magics can turn them into IPython `UsageError`s: one line, no traceback.
+so the magics can turn them into IPython `UsageError`s: one line, no traceback. Up to
+GROUP_ABOVE ranks a message names each rank; in a larger world it writes them as runs
+("0-511, 513-1023") and groups the ranks that say the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .wire.results import Death
+
+# up to this many ranks a report has a line per rank; above, ranks that say the same share one
+GROUP_ABOVE = 16
+# a list of ranks in a report names at most this many runs ("0-3, 5, 7-9": 3 runs)
+RUNS_SHOWN = 8
+
+
+def rank_ranges(ranks: Iterable[int], limit: int | None = None) -> str:
+    """Ranks as runs, sorted and without repeats: [0, 1, 2, 3, 5, 7, 8, 9] -> "0-3, 5, 7-9";
+    past `limit` runs, the rest counted: "0, 2, 4, ... (509 more)"."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    shown = runs if limit is None or len(runs) <= limit else runs[:limit]
+    text = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in shown)
+    if len(shown) < len(runs):
+        more = sum(last - first + 1 for first, last in runs[len(shown) :])
+        text += f", ... ({more:,} more)"
+    return text
+
+
+def count_ranks(count: int) -> str:
+    """ "1 rank", "1,023 ranks"."""
+    return f"{count:,} rank{'' if count == 1 else 's'}"
 
 
 class DDPError(Exception):
@@ -53,12 +83,21 @@ class RankError(DDPError):
     the root cause and one line for each other failing rank, not this module's frames.
     """
 
-    def __init__(self, failures: list[RankFailure], *, busy_ranks: tuple[int, ...] = (), note: str = "") -> None:
+    def __init__(
+        self,
+        failures: list[RankFailure],
+        *,
+        busy_ranks: tuple[int, ...] = (),
+        note: str = "",
+        released_from: Mapping[int, str] | None = None,
+    ) -> None:
         if not failures:
             raise ValueError("RankError needs at least one failure")
         self.failures = sorted(failures, key=_failure_order)
         self.busy_ranks = busy_ranks
         self.note = note
+        # rank -> the collective it was blocked in when the world released it ("all_reduce #4 at cell line 7")
+        self.released_from = dict(released_from or {})
         root = self.failures[0]
         super().__init__(f"rank {root.rank} raised {root.summary}")
 
@@ -70,16 +109,49 @@ class RankError(DDPError):
         root = self.root_cause
         lines = [f"rank {root.rank} failed first (root cause):"]
         lines.extend(root.traceback or (root.summary,))
-        for other in self.failures[1:]:
-            lines.append(f"rank {other.rank} also failed: {other.summary}")
+        lines.extend(failure_lines(self.failures[1:], self.released_from))
         if self.busy_ranks:
-            ranks = ", ".join(str(r) for r in self.busy_ranks)
-            lines.append(f"ranks still running when the cell ended: {ranks}")
+            lines.append(f"ranks still running when the cell ended: {rank_list(self.busy_ranks)}")
         if root.ename == "SystemExit":
             lines.append("(sys.exit() ends the cell, not the rank: the world keeps running; %ddp_stop ends it)")
         if self.note:
             lines.append(self.note)
         return lines
+
+
+def failure_lines(
+    failures: list[RankFailure], released_from: Mapping[int, str], verb: str = "also failed"
+) -> list[str]:
+    """A line per failing rank (`rank 3 also failed: ...`); past GROUP_ABOVE of them, one per collective
+    the ranks were released from ("1,023 ranks were released from all_reduce #412 at cell line 7: ...")
+    and one per kind of error, numbers aside (gloo names each peer's port)."""
+    if len(failures) <= GROUP_ABOVE:
+        return [
+            f"rank {f.rank} {verb}: {f.summary}"
+            + (f" (released from {released_from[f.rank]})" if f.rank in released_from else "")
+            for f in failures
+        ]
+    groups: dict[str, list[RankFailure]] = {}
+    for failure in failures:
+        where = released_from.get(failure.rank)
+        key = f"released from {where}" if where else re.sub(r"\d+", "#", failure.summary)
+        groups.setdefault(key, []).append(failure)
+    lines = []
+    for key, members in groups.items():
+        ranks = rank_ranges((f.rank for f in members), RUNS_SHOWN)
+        first = members[0]
+        if first.rank in released_from:
+            lines.append(f"{count_ranks(len(members))} were {key}: {ranks} ({first.summary})")
+        elif len(members) == 1:
+            lines.append(f"rank {first.rank} {verb}: {first.summary}")
+        else:
+            lines.append(f"{count_ranks(len(members))} {verb} ({ranks}): {first.summary}")
+    return lines
+
+
+def rank_list(ranks: tuple[int, ...]) -> str:
+    """Ranks for a message: "0, 1, 3", or past GROUP_ABOVE of them as runs ("0-511, 513-1023")."""
+    return ", ".join(map(str, ranks)) if len(ranks) <= GROUP_ABOVE else rank_ranges(ranks, RUNS_SHOWN)
 
 
 def _failure_order(failure: RankFailure) -> tuple[float, int]:
@@ -96,10 +168,16 @@ class RankDiedError(DDPError):
     """A rank's process died while running a cell."""
 
     def __init__(
-        self, dead: Mapping[int, Death], failures: list[RankFailure], came_back: str = "", note: str = ""
+        self,
+        dead: Mapping[int, Death],
+        failures: list[RankFailure],
+        came_back: str = "",
+        note: str = "",
+        released_from: Mapping[int, str] | None = None,
     ) -> None:
         self.dead = dict(dead)
         self.failures = [f for f in failures if f.rank not in dead]
+        self.released_from = dict(released_from or {})
         # what happened after: the world replaced the rank ("" when it could not)
         self.came_back = came_back
         died = "; ".join(f"rank {rank} {how}" for rank, how in sorted(dead.items()))
@@ -110,9 +188,7 @@ class RankDiedError(DDPError):
             super().__init__(f"{died}. {lost}; %ddp_restart (or restart()) starts a full world again")
 
     def _render_traceback_(self) -> list[str]:
-        lines = [str(self)]
-        lines.extend(f"rank {f.rank} then failed: {f.summary}" for f in self.failures)
-        return lines
+        return [str(self), *failure_lines(self.failures, self.released_from, "then failed")]
 
 
 class CellTimeoutError(DDPError):
@@ -121,7 +197,7 @@ class CellTimeoutError(DDPError):
     def __init__(self, timeout: float, busy_ranks: tuple[int, ...], detail: str = "") -> None:
         self.timeout = timeout
         self.busy_ranks = busy_ranks
-        ranks = ", ".join(str(r) for r in busy_ranks) or "none"
+        ranks = rank_list(busy_ranks) or "none"
         message = f"cell exceeded its {timeout:g} s limit; ranks still running: {ranks}"
         super().__init__(message + (f"\n{detail}" if detail else ""))
 

@@ -278,6 +278,13 @@ class DDPMagics(Magics):
     @argument("--ranks", default=None, help="ranks to run on: 0, 0,2, 1-3 or all (default: all)")
     @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
     @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
+    @argument(
+        "--show",
+        default=None,
+        metavar="RANKS",
+        help="ranks whose output is shown live: 0, 0,5, 0-3 or all (default: all up to 16 ranks, rank 0 above; "
+        "every rank's stderr either way)",
+    )
     @argument("--append", action="store_true", help="add this cell's progress and metrics to the previous live view")
     @argument(
         "--setup",
@@ -312,7 +319,8 @@ class DDPMagics(Magics):
         steps = _profile_steps(args)
         world = self._running_world()
         profile = _profile_settings(steps, args.profile_dir) if steps is not None else None
-        feed = self.recorder.feed(_make_view, append=args.append)
+        ranks = len(config.parse_ranks(args.ranks, world.world_size)) if args.ranks else world.world_size
+        feed = self.recorder.feed(lambda: _make_view(ranks), append=args.append)
         before = world.last_profile
         try:
             result = _execute_live(
@@ -326,6 +334,7 @@ class DDPMagics(Magics):
                 tracker=args.tracker,
                 params=_names(args.params),
                 profile=profile,
+                show=args.show,
             )
         finally:
             if profile is not None and world.last_profile not in (None, before):
@@ -443,6 +452,16 @@ class DDPMagics(Magics):
         if line.strip():
             raise DDPUsageError(f"%ddp_metrics takes no arguments, got '{line.strip()}'")
         return self.recorder.metrics
+
+    @line_magic
+    @_usage_errors
+    def ddp_output(self, line: str = "") -> None:
+        """Print everything one rank printed in the last cell, shown or not: `%ddp_output 17`."""
+        text = line.strip()
+        if not text.isdigit():
+            raise DDPUsageError(f"%ddp_output takes one rank, e.g. %ddp_output 3; got '{text}'")
+        world = self._running_world()
+        print(world.output(int(text)), end="")
 
     @line_magic
     @_usage_errors
@@ -580,10 +599,10 @@ def _preload_widgets() -> None:
     preload()
 
 
-def _make_view() -> Any:
-    from .live.widgets import make_view
+def _make_view(ranks: int) -> Any:
+    from .live.large_view import make_view
 
-    return make_view()
+    return make_view(ranks=ranks)
 
 
 def _profile_steps(args: Any) -> int | None:

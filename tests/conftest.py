@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import comm
 import pytest
+from comm.base_comm import BaseComm
 
 from ddp_notebook import DDPCluster
 from ddp_notebook.platform.processes import OWNER_PID_ENV
@@ -191,3 +193,29 @@ class CellOutput:
             self.error = content["ename"]
             self.text.append("\n".join(content["traceback"]) + "\n")
         return kind == "status" and content["execution_state"] == "idle"
+
+
+class RecordingComm(BaseComm):
+    """A comm that keeps every message a widget sends to the frontend."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[tuple[float, str, dict[str, Any], list[Any]]] = []
+        super().__init__(*args, **kwargs)
+
+    def publish_msg(
+        self, msg_type: str, data: Any = None, metadata: Any = None, buffers: Any = None, **keys: Any
+    ) -> None:
+        self.sent.append((time.monotonic(), msg_type, data or {}, list(buffers or [])))
+
+
+@pytest.fixture
+def comms(monkeypatch: pytest.MonkeyPatch) -> list[RecordingComm]:
+    created: list[RecordingComm] = []
+
+    def create(*args: Any, **kwargs: Any) -> RecordingComm:
+        created.append(RecordingComm(*args, **kwargs))
+        return created[-1]
+
+    # comm.create_comm is the documented place to plug a comm implementation in
+    monkeypatch.setattr(comm, "create_comm", create)
+    return created

@@ -6,41 +6,20 @@ installs all three. Screenshots go to test-artifacts/.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nbformat
-import psutil
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.conftest import wait_gone
+from tests.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS, Lab, jupyterlab, missing_requirement
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-SERVER_START_SECONDS = 60.0
 RUN_SECONDS = 120.0
 EPOCHS, BATCHES = 3, 40
 
@@ -108,100 +87,14 @@ SNAPSHOT_JS = """() => {
 }"""
 
 
-def missing_requirement() -> str | None:
-    if not CHROMIUM.exists():
-        return f"no chromium at {CHROMIUM} (apt-get install chromium; .ci/install does)"
-    for module, package in (("jupyterlab", "jupyterlab"), ("playwright", "playwright")):
-        if importlib.util.find_spec(module) is None:
-            return f"{package} is not installed (pip install -e '.[test]')"
-    return None
-
-
-@dataclass
-class Lab:
-    url: str
-    token: str
-    root: Path
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """A JupyterLab server of our own on 127.0.0.1, stopped by its PID afterwards."""
     reason = missing_requirement()
     if reason:
         pytest.skip(reason)
-    base = tmp_path_factory.mktemp("lab")
-    root = base / "root"
-    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    root.mkdir()
-    # no news and no update checks: nothing leaves the machine, no toast over the screenshots
-    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
-    port, token = free_port(), secrets.token_hex(16)
-    env = {
-        **os.environ,
-        "JUPYTER_CONFIG_DIR": str(base / "config"),
-        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
-        "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
-    }
-    log = (base / "server.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--ServerApp.ip=127.0.0.1",
-            f"--ServerApp.port={port}",
-            "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-            "--ServerApp.allow_root=True",
-            "--LabApp.news_url=None",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    started: set[int] = {server.pid}
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVER_START_SECONDS
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"JupyterLab did not start: {(base / 'server.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.2)
-        yield Lab(url, token, root)
-    finally:
-        # the kernel and the world's ranks are the server's descendants: ours to clean up
-        try:
-            started.update(child.pid for child in psutil.Process(server.pid).children(recursive=True))
-        except psutil.Error:
-            pass
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
-        for pid in wait_gone(sorted(started), 15):
-            os.kill(pid, signal.SIGKILL)
-        log.close()
-        assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"
+    with jupyterlab(tmp_path_factory.mktemp("lab")) as server:
+        yield server
 
 
 def write_notebook(path: Path) -> None:
@@ -285,3 +178,107 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
     assert own_bars[0][0].startswith("own tqdm: 100%") and "5/5" in own_bars[0][0], own_bars
     widget_errors = [e for e in console_errors if any(w in e.lower() for w in ("widget", "plotly", "model", "state"))]
     assert widget_errors == []
+
+
+LARGE = 64  # simulated ranks: real engines and live view, torch's fake process group
+LARGE_SECONDS = 8
+LARGE_CELLS = [
+    "%load_ext ddp_notebook\nimport ddp_notebook\n"
+    f"world = ddp_notebook.DDPCluster({LARGE}, simulated=True, start_timeout=300)\n"
+    "world.start()\nworld.activate()",
+    f"""%%ddp
+import time
+for step in ddp_notebook.progress(range({LARGE_SECONDS * 10}), desc="batch"):
+    ddp_notebook.log(loss=1.0 / (step + 1) + (5.0 if rank == 23 else rank * 1e-4))
+    time.sleep(0.1 * (3 if rank == 41 else 1))
+""",
+    'world.stop()\nprint("the large world stopped")',
+]
+# every frame's distance to the last, from the moment the large world's view appears
+FRAMES_JS = """() => {
+  window.__frameGaps = [];
+  let last = performance.now();
+  const tick = (now) => { window.__frameGaps.push(now - last); last = now; requestAnimationFrame(tick); };
+  requestAnimationFrame(tick);
+}"""
+LARGE_JS = """() => {
+  const live = document.querySelector('.ddp-large');
+  const plots = live ? Array.from(live.querySelectorAll('.js-plotly-plot')) : [];
+  const main = plots.find(p => !p.closest('.ddp-heat'));
+  const heat = plots.find(p => p.closest('.ddp-heat'));
+  return {
+    shown: !!live,
+    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => b.innerText) : [],
+    traces: main && main.data ? main.data.map(t => [t.name, t.visible, t.x ? t.x.length : 0]) : [],
+    heat: heat && heat.data ? heat.data.map(t => [t.type, t.y ? t.y.length : 0]) : [],
+    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
+    gaps: window.__frameGaps || [],
+    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
+    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(o => o.innerText)
+      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
+  };
+}"""
+
+
+def test_a_large_worlds_live_view_in_jupyterlab(lab: Lab) -> None:
+    """64 simulated ranks stream into one aggregate view: a bar for all of them, the median with its
+    band and the outlier rank, a heat map; the page keeps drawing frames while the cell streams."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    notebook = new_notebook(
+        cells=[new_code_cell(code) for code in LARGE_CELLS],
+        metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
+    )
+    nbformat.write(notebook, lab.root / "large.ipynb")
+    samples: list[dict[str, Any]] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(lab.root.parent / "chromium-profile-large"),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1200, "height": 1300},
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{lab.url}/lab/tree/large.ipynb?token={lab.token}")
+            page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            deadline = time.monotonic() + RUN_SECONDS + 300  # 64 ranks start on 2 cores
+            timing = False
+            while True:
+                sample = page.evaluate(LARGE_JS)
+                samples.append(sample)
+                if sample["shown"] and not timing:
+                    page.evaluate(FRAMES_JS)
+                    timing = True
+                if "the large world stopped" in sample["text"] or sample["errors"]:
+                    break
+                if time.monotonic() > deadline:
+                    page.screenshot(path=ARTIFACTS / "browser-large-timeout.png", full_page=True)
+                    pytest.fail(f"the notebook did not finish; last page state: {sample}")
+                page.wait_for_timeout(250)
+            page.wait_for_timeout(500)
+            final = page.evaluate(LARGE_JS)
+            page.locator(".ddp-large").first.screenshot(path=ARTIFACTS / "live-view-large.png")
+        finally:
+            browser.close()
+
+    assert final["errors"] == [], final["errors"]
+    assert len(final["bars"]) == 1, final["bars"]  # one bar for every rank's loop
+    assert final["bars"][0].startswith(f"{LARGE} ranks:") and "slowest: rank 41" in final["bars"][0], final["bars"]
+    names = [name for name, visible, _ in final["traces"] if visible is not False]
+    assert {"10th-90th percentile", "median", "rank 23"} <= set(names), final["traces"]
+    assert not any(name == f"rank {rank}" for rank in range(LARGE) if rank != 23 for name in names)
+    assert final["heat"] and final["heat"][0][0] == "heatmap" and 0 < final["heat"][0][1] <= 32, final["heat"]
+    assert f"{LARGE} ranks" in final["status"] and "rank 23: loss" in final["status"], final["status"]
+    # drawn while it streamed: the band grew under the running cell
+    growing = {max((n for name, _, n in s["traces"] if name == "median"), default=0) for s in samples}
+    assert len([n for n in growing if n > 0]) >= 3, sorted(growing)
+    gaps = sorted(final["gaps"])
+    assert len(gaps) > 50, "the page drew too few frames to judge"
+    print(f"\nframes while {LARGE} ranks streamed: median {gaps[len(gaps) // 2]:.0f} ms, "
+          f"99th percentile {gaps[int(len(gaps) * 0.99)]:.0f} ms, longest {gaps[-1]:.0f} ms")  # fmt: skip
+    assert gaps[int(len(gaps) * 0.99)] < 1000, "the page froze for a second or more while the cell streamed"

@@ -149,6 +149,10 @@ def test_a_failure_is_named_and_the_next_cell_works_with_state_kept(
         assert error.root_cause.rank == failing and error.root_cause.evalue == f"rank {failing} fails on purpose"
         # every other rank was released from its collective, none left running
         assert sorted(f.rank for f in error.failures[1:]) == others and error.busy_ranks == ()
+        # each says the collective it was released from, as the X-ray read it before the release
+        for rank in others:
+            line = next(line for line in text.splitlines() if line.startswith(f"rank {rank} also failed: "))
+            assert "(released from " in line and "at cell line " in line, line
         assert "the process group was set up again" in text
     elif case == "hang":
         assert isinstance(error, CellTimeoutError)

@@ -332,7 +332,9 @@ def test_another_user_reaches_nothing_of_a_running_world(hub: Hub) -> None:
                 # no rendezvous store to write into (a world on one host forms in a file of its private
                 # folder), and no unsigned message is answered
                 assert outcomes[f"port {port}: a rendezvous store"].startswith("refused: "), port
-                assert outcomes[f"port {port}: an unsigned execute_request"] == "got 'no reply'", port
+                # a ZMQ port answers nothing; one whose handshake B cannot finish (CurveZMQ) refuses the send
+                unsigned = outcomes[f"port {port}: an unsigned execute_request"]
+                assert unsigned == "got 'no reply'" or unsigned.startswith("refused: "), (port, unsigned)
             # A's world noticed nothing: it trains on, to the same parameters, and ran none of B's code
             after = kernel_a.run(TRAIN_CELL, timeout=180)
             assert after.error is None, after.text

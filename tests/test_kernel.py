@@ -27,6 +27,7 @@ class Kernel:
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
+        self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
 
     def run(
         self,
@@ -58,6 +59,8 @@ class Kernel:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
+            self.iopub_bytes += len(json.dumps(msg["content"], default=str))
+            self.iopub_bytes += sum(len(memoryview(buffer).cast("B")) for buffer in msg.get("buffers") or ())
             if output.take(msg["msg_type"], msg["content"]):
                 return "".join(output.text), output.error
 

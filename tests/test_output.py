@@ -75,3 +75,47 @@ def test_syntax_errors_are_caught_before_sending() -> None:
 )
 def test_valid_notebook_cells_pass(cell: str) -> None:
     check_syntax(cell)
+
+
+def test_a_large_worlds_failure_report_groups_the_released_ranks() -> None:
+    from ddp_notebook.errors import RankDiedError
+    from ddp_notebook.wire.results import Death
+
+    root = RankFailure(512, "ValueError", "bad batch", traceback=("ValueError: bad batch",), completed=1.0)
+    released = [
+        RankFailure(rank, "RuntimeError", f"Connection closed by peer [127.0.0.1]:{40000 + rank}", completed=2.0)
+        for rank in range(1024)
+        if rank not in (512, 700)
+    ]
+    odd_one = RankFailure(700, "KeyError", "'x'", completed=3.0)
+    where = {failure.rank: "all_reduce #412 at cell line 7" for failure in released}
+    rendered = RankError([root, *released, odd_one], released_from=where)._render_traceback_()
+    assert rendered == [
+        "rank 512 failed first (root cause):",
+        "ValueError: bad batch",
+        "1,022 ranks were released from all_reduce #412 at cell line 7: 0-511, 513-699, 701-1023 "
+        "(RuntimeError: Connection closed by peer [127.0.0.1]:40000)",
+        "rank 700 also failed: KeyError: 'x'",
+    ]
+    # without the X-ray's word on where they were, the same error (numbers aside) still groups them
+    rendered = RankError([root, *released])._render_traceback_()
+    assert rendered[2:] == [
+        "1,022 ranks also failed (0-511, 513-699, 701-1023): RuntimeError: Connection closed by peer [127.0.0.1]:40000"
+    ]
+    # a small world keeps a line per rank, saying where each was released from
+    small = RankError([root, released[0]], released_from={0: "all_reduce #3 at cell line 5"})._render_traceback_()
+    assert small[-1] == (
+        "rank 0 also failed: RuntimeError: Connection closed by peer [127.0.0.1]:40000 "
+        "(released from all_reduce #3 at cell line 5)"
+    )
+    died = RankDiedError({1023: Death("exited", "exited with code 3", 3)}, released[:-1], released_from=where)
+    lines = died._render_traceback_()
+    assert len(lines) == 2 and lines[1].startswith("1,021 ranks were released from all_reduce #412 at cell line 7: ")
+
+
+def test_long_rank_lists_in_messages_become_runs() -> None:
+    from ddp_notebook.errors import CellTimeoutError, rank_list
+
+    assert rank_list((0, 1, 3)) == "0, 1, 3"
+    assert rank_list(tuple(r for r in range(1024) if r != 5)) == "0-4, 6-1023"
+    assert "ranks still running: 0-4, 6-1023" in str(CellTimeoutError(5.0, tuple(r for r in range(1024) if r != 5)))

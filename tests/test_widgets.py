@@ -5,14 +5,12 @@ from __future__ import annotations
 import io
 import json
 import math
-import time
 from typing import Any
 
-import comm
 import pytest
-from comm.base_comm import BaseComm
 
 from ddp_notebook.live.feed import Feed
+from ddp_notebook.live.large_view import make_view
 from ddp_notebook.live.widgets import (
     LiveView,
     Smoother,
@@ -20,40 +18,14 @@ from ddp_notebook.live.widgets import (
     format_rate,
     format_seconds,
     live_points,
-    make_view,
     progress_line,
     steps_table,
     summary_lines,
     xray_table,
 )
 from ddp_notebook.rank.channel import Channel, Progress
+from tests.conftest import RecordingComm
 from tests.test_channel import StepsSoFar, waiting_in
-
-
-class RecordingComm(BaseComm):
-    """A comm that keeps every message a widget sends to the frontend."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.sent: list[tuple[float, str, dict[str, Any], list[Any]]] = []
-        super().__init__(*args, **kwargs)
-
-    def publish_msg(
-        self, msg_type: str, data: Any = None, metadata: Any = None, buffers: Any = None, **keys: Any
-    ) -> None:
-        self.sent.append((time.monotonic(), msg_type, data or {}, list(buffers or [])))
-
-
-@pytest.fixture
-def comms(monkeypatch: pytest.MonkeyPatch) -> list[RecordingComm]:
-    created: list[RecordingComm] = []
-
-    def create(*args: Any, **kwargs: Any) -> RecordingComm:
-        created.append(RecordingComm(*args, **kwargs))
-        return created[-1]
-
-    # comm.create_comm is the documented place to plug a comm implementation in
-    monkeypatch.setattr(comm, "create_comm", create)
-    return created
 
 
 def frontend_state(comms: list[RecordingComm]) -> dict[str, dict[str, Any]]:

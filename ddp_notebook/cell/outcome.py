@@ -11,7 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import CellInterruptedError, CellTimeoutError, DDPError, RankDiedError, RankError, RankFailure
+from ..errors import (
+    CellInterruptedError,
+    CellTimeoutError,
+    DDPError,
+    RankDiedError,
+    RankError,
+    RankFailure,
+    rank_list,
+)
 from ..wire.channel import CellEnd
 from ..wire.results import CellResult, Death
 from .xray import CollectiveMismatchError, Mismatch
@@ -39,6 +47,8 @@ class CellOutcome:
     heal_note: str = ""  # what became of the process group, when the cell broke it
     came_back: str = ""  # how the world replaced its dead ranks (comeback), when it did
     mismatch: Mismatch | None = None  # ranks blocked in collectives that could never match
+    # rank -> the collective it was blocked in when released (its failure is that release)
+    released_from: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -54,8 +64,8 @@ class CellOutcome:
     def error(self) -> DDPError | None:
         """The exception this outcome means for the caller (None when the cell succeeded)."""
         if self.ending is Ending.INTERRUPTED:
-            busy = f"; still running: {', '.join(map(str, self.unfinished))}" if self.unfinished else ""
-            ranks = ", ".join(map(str, self.result.ranks))
+            busy = f"; still running: {rank_list(self.unfinished)}" if self.unfinished else ""
+            ranks = rank_list(self.result.ranks)
             return CellInterruptedError(f"cell interrupted on ranks {ranks}{busy}{self.heal_note}")
         if self.ending is Ending.TIMEOUT:
             assert self.timeout is not None
@@ -63,9 +73,16 @@ class CellOutcome:
         if self.mismatch is not None and self.failures and not self.dead:
             return CollectiveMismatchError(self.mismatch, self.failures, self.heal_note)
         if self.dead:
-            return RankDiedError(dict(self.dead), list(self.failures), self.came_back, self.heal_note.strip())
+            return RankDiedError(
+                dict(self.dead), list(self.failures), self.came_back, self.heal_note.strip(), self.released_from
+            )
         if self.failures:
-            return RankError(list(self.failures), busy_ranks=self.unfinished, note=self.heal_note.strip())
+            return RankError(
+                list(self.failures),
+                busy_ranks=self.unfinished,
+                note=self.heal_note.strip(),
+                released_from=self.released_from,
+            )
         return None
 
     def raise_for_error(self) -> CellResult:

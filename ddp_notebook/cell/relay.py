@@ -21,6 +21,7 @@ from ..errors import RankFailure, one_line
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 from ..world.ipp_adapter import message_futures, on_io_thread, unwrap_exception
+from .large_output import LargeOutput
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
 from .xray import Mismatch, MismatchWatch, RankCollectives
@@ -38,6 +39,9 @@ DEATH_GRACE_SECONDS = 3.0
 RELEASE_AFTER_SECONDS = 0.5
 # once a cell ran this long, how often the ranks' collectives are read to catch a mismatch
 COLLECTIVES_CHECK_SECONDS = 0.25
+# ... for worlds up to this many ranks; a reading asks every rank, so a larger world's are spaced
+# out in proportion (1,024 ranks: one every 8 s), to keep the kernel's share of a core bounded
+COLLECTIVES_CHECK_RANKS = 32
 # after ranks in mismatched collectives were released, how long they get to fail and reply (they
 # fail at once; the margin is for a loaded machine, and the wait ends when they have replied)
 MISMATCH_GRACE_SECONDS = 10.0
@@ -108,6 +112,7 @@ class OutputSink:
         on_data: Callable[[int, dict[str, Any]], None] | None = None,
         on_memory: Callable[[MemoryReading], None] | None = None,
         on_collectives: Callable[[dict[int, RankCollectives]], None] | None = None,
+        large: LargeOutput | None = None,
     ) -> None:
         self._stdout = stdout
         self._stderr = stderr
@@ -115,6 +120,8 @@ class OutputSink:
         self._on_data = on_data
         self._on_memory = on_memory
         self._on_collectives = on_collectives
+        # a large world's routing of lines: some shown, stderr folded across ranks, all kept
+        self.large = large
         self._live: dict[str, str] = {}  # stream -> the progress line drawn last, not yet ended
         # streams written since the last flush: a kernel's flush waits on its IO thread (~0.2 ms),
         # so a cell with no output flushes nothing
@@ -153,7 +160,29 @@ class OutputSink:
             store = self._collect.stderr if stream == "stderr" else self._collect.stdout
             store[rank] = store.get(rank, "") + "".join(line + "\n" for line in lines)
             return
-        text = tag_lines(rank, lines)
+        if self.large is not None:
+            for target, text in self.large.take(rank, stream, lines):
+                self._write(target, text)
+            return
+        self._write(stream, tag_lines(rank, lines))
+
+    def tick(self) -> None:
+        """Write what became due meanwhile (a large world's folded stderr)."""
+        if self.large is not None and self._collect is None:
+            written = self.large.due()
+            for target, text in written:
+                self._write(target, text)
+            if written:
+                self.flush()
+
+    def finish(self) -> None:
+        """The cell ended: what is left of a large world's output, and a line on what was not shown."""
+        if self.large is not None and self._collect is None:
+            for target, text in self.large.finish():
+                self._write(target, text)
+        self.flush()
+
+    def _write(self, stream: str, text: str) -> None:
         drawn = self._live.pop(stream, None)
         if drawn is not None:  # these lines take the progress line's place ('\r'); it is drawn again below them
             first, newline, rest = text.partition("\n")
@@ -186,6 +215,11 @@ class OutputSink:
         self._unflushed.clear()
 
 
+def collectives_check_seconds(ranks: int) -> float:
+    """How often a running cell's collective X-ray is read, for a cell on `ranks` ranks."""
+    return COLLECTIVES_CHECK_SECONDS * max(1.0, ranks / COLLECTIVES_CHECK_RANKS)
+
+
 class CellRelay:
     """Carries one cell's messages from ipyparallel's IO thread to the waiting thread.
 
@@ -205,6 +239,7 @@ class CellRelay:
         self.dead: dict[int, Death] = {}
         self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
+        self.released_from: dict[int, str] = {}  # rank -> the collective it was released from ("all_reduce #4 ...")
         self.mismatch: Mismatch | None = None  # ranks found in collectives that can never match
         self._mismatch_watch = MismatchWatch()
         self._displays = RankDisplays()
@@ -292,6 +327,7 @@ class CellRelay:
                 self._watch_memory(clock, supervisor, sink)
                 self._watch_collectives(clock, supervisor, sink)
                 self._draw_progress_lines(clock, sink, assembler)
+                sink.tick()
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -304,7 +340,7 @@ class CellRelay:
                 self._stop_ranks(clock, supervisor, time.monotonic())
         for rank, stream, line in assembler.flush_all():
             sink.write(rank, stream, [line])
-        sink.flush()
+        sink.finish()
         if clock.ending is Ending.DONE and not self._async_result.ready() and not self.dead and not self._some_failed():
             clock.ending = Ending.INTERRUPTED
         if not self.dead and self.failures():
@@ -339,6 +375,7 @@ class CellRelay:
                 # collective shut theirs, so none waits for the collective timeout
                 survivors = tuple(rank for rank in self.unfinished() if rank not in self.dead)
                 if survivors:
+                    self._note_where_released(supervisor, survivors)
                     supervisor.release_blocked(survivors)
                 if clock.stop_at is None:
                     clock.stop_at = now + DEATH_GRACE_SECONDS
@@ -380,7 +417,7 @@ class CellRelay:
         now = time.monotonic()
         if now < clock.next_collectives_check or self.mismatch or self.dead or clock.stop_at is not None:
             return
-        clock.next_collectives_check = now + COLLECTIVES_CHECK_SECONDS
+        clock.next_collectives_check = now + collectives_check_seconds(len(self._ranks))
         running = self.unfinished()
         if not running:
             return
@@ -411,10 +448,24 @@ class CellRelay:
                 # With more than 2 ranks gloo pairs ranks that never talk to the finished ones: a
                 # rank blocked on a blocked peer is freed only by shutting its own connections.
                 self.released = True
+                self._note_where_released(supervisor, running)
                 if finished:
                     supervisor.release(finished)
                 supervisor.release_blocked(running)
                 clock.stop_at = max(clock.stop_at or 0.0, time.monotonic() + DEATH_GRACE_SECONDS)
+
+    def _note_where_released(self, supervisor: CellSupervisor, ranks: tuple[int, ...]) -> None:
+        """Where each of `ranks` waits, before they are released: their failure is that release, and
+        the report says so once for all the ranks released from the same collective."""
+        try:
+            readings = supervisor.collectives(ranks, full=True)
+        except Exception:  # noqa: BLE001  (the report says less; the release goes on)
+            return
+        for rank, reading in readings.items():
+            current = reading.current
+            if current is not None:
+                line = f" at cell line {reading.cell_line}" if reading.cell_line is not None else ""
+                self.released_from[rank] = f"{current.op} #{current.seq}{line}"
 
     def _stop_ranks(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
         supervisor.interrupt(self._ranks)

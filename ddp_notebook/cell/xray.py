@@ -25,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import RankError, RankFailure
+from ..errors import GROUP_ABOVE, RankError, RankFailure
 from ..live.stragglers import StepTimes, find_straggler
 from ..wire import xray as xray_wire
 from ..wire import xray_messages as messages
 from ..wire.results import RankInfo
+from .large_output import grouped_lines
 
 # how long one rank may take to answer (it answers from a thread of its own, in microseconds)
 ANSWER_SECONDS = 1.0
@@ -94,12 +95,12 @@ class RankCollectives:
         current = self.current
         return 0.0 if current is None else max(0.0, (self.now_ns - current.created_ns) / 1e9)
 
-    def describe(self) -> str:
-        """One line: where the rank is, then its last finished collectives."""
+    def describe(self, waited: bool = True) -> str:
+        """One line: where the rank is (and how long it waited there), then its last finished collectives."""
         current = self.current
         line = f" (cell line {self.cell_line})" if self.cell_line is not None else ""
         if current is not None:
-            head = f"in {current.describe()}{line}, waiting {self.waited:.1f} s"
+            head = f"in {current.describe()}{line}" + (f", waiting {self.waited:.1f} s" if waited else "")
         elif self.in_cell:
             head = f"running the cell{line}, in no collective"
         else:
@@ -343,6 +344,8 @@ def release(reach: Reach, ranks: Iterable[int]) -> dict[int, int]:
 def describe_world(readings: Mapping[int, RankCollectives]) -> str:
     """Per rank: its collectives, its recent steps and its allocator's memory; then the straggler, if any."""
     lines = []
+    if len(readings) > GROUP_ABOVE:  # the ranks grouped by where they are; the seconds each waited aside
+        return "\n".join(_grouped_world(readings))
     for rank in sorted(readings):
         reading = readings[rank]
         lines.append(f"rank {rank}: {reading.describe()}")
@@ -355,6 +358,27 @@ def describe_world(readings: Mapping[int, RankCollectives]) -> str:
     if straggler is not None:
         lines.append(straggler.describe())
     return "\n".join(lines)
+
+
+def _grouped_world(readings: Mapping[int, RankCollectives]) -> list[str]:
+    """A large world's X-ray: one line per place (collective, sequence number, cell line) with its
+    ranks, each place's wait as a range; then the straggler, if any."""
+    waits: dict[str, list[float]] = {}
+    places = []
+    for rank, reading in readings.items():
+        place = reading.describe(waited=False)
+        if reading.current is not None:
+            waits.setdefault(place, []).append(reading.waited)
+        places.append((rank, place))
+    lines = []
+    for line in grouped_lines(places, group_above=0):
+        _, _, place = line.partition(": ")
+        seconds = waits.get(place)
+        lines.append(line + (f" (waiting {min(seconds):.1f}-{max(seconds):.1f} s)" if seconds else ""))
+    straggler = find_straggler({rank: r.steps for rank, r in readings.items() if r.steps is not None})
+    if straggler is not None:
+        lines.append(straggler.describe())
+    return lines
 
 
 @dataclass(frozen=True)

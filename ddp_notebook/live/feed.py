@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire.channel import MESSAGE_VERSION, BarMessage, BarRun, CellEnd, RankMessage, RunState, messages_in
+from .aggregate import StepHeat, wants_aggregate
 from .stragglers import StepTimes, Straggler, find_straggler
 
 if TYPE_CHECKING:
@@ -217,7 +218,12 @@ class Feed:
         self.outcome: CellEnd | None = None
         self.memory_reading: MemoryReading | None = None  # the ranks' memory, read about once a second
         self.step_times: dict[int, StepTimes] = {}  # each rank's latest recent-steps means (prepare_model)
-        self.straggler: Straggler | None = None  # named from step_times when one rank is clearly slower
+        self._straggler: Straggler | None = None
+        self._straggler_found = True
+        # how many ranks the cell runs on, where `ranks` was not given (the world says, before the cell)
+        self.size_hint = 0
+        # a large world's seconds per step, rank by rank over time (its live view's heat map)
+        self.heat: StepHeat | None = None
         # the latest collective X-ray of the running cell (the relay reads it 4 times a second)
         self.collective_readings: dict[int, RankCollectives] = {}
         self._last_draw = -math.inf
@@ -227,6 +233,19 @@ class Feed:
         # every point as it arrives, to an experiment tracker (`live.trackers`); set by the world
         self.on_points: Callable[[int, str, list[float], list[float]], None] | None = None
         self.tracker_run: Any = None  # the tracker run this cell's points went to (an appended cell continues it)
+
+    @property
+    def straggler(self) -> Straggler | None:
+        """The rank clearly slower than the others per step (from step_times), if one is."""
+        if not self._straggler_found:
+            self._straggler = find_straggler(self.step_times)
+            self._straggler_found = True
+        return self._straggler
+
+    @property
+    def rank_count(self) -> int:
+        """How many ranks the cell runs on, as far as this feed knows."""
+        return max(len(self.expected or ()), self.size_hint, len(self.ranks))
 
     def step_base_after(self) -> dict[int, int]:
         """Where the default steps of a cell appended after this one start, per rank."""
@@ -246,6 +265,8 @@ class Feed:
 
     def _take(self, rank: int, message: RankMessage) -> None:
         if self.received == 0:
+            if self.heat is None and wants_aggregate(self.rank_count):
+                self.heat = self.previous.heat if self.previous is not None and self.previous.heat else StepHeat()
             if self._on_first is not None:
                 self._on_first(self)
             self._show()
@@ -330,7 +351,9 @@ class Feed:
         steps = StepTimes.parse(message.get("steps"))
         if steps is not None:
             self.step_times[rank] = steps
-            self.straggler = find_straggler(self.step_times)
+            self._straggler_found = False  # looked for when drawn: once per redraw, not per message
+        if self.heat is not None:
+            self.heat.add(rank, state.t, state.steps)
         for bar in message["bars"]:
             key = (rank, bar["level"])
             current = self.bars.get(key)

@@ -16,12 +16,16 @@ import html
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from ..cell.large_output import grouped_lines
+from ..errors import GROUP_ABOVE, count_ranks, rank_list
 from ..platform.limits import MEMORY_WARN_FRACTION, format_bytes
 from ..wire.channel import RunState
-from .feed import BarState, Feed, RankState, View
+from .aggregate import outlier_ranks, summarize_progress, wants_aggregate
+from .feed import BarState, Feed, RankState
 from .stragglers import PHASES
 
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its
@@ -70,11 +74,6 @@ def _import_widgets() -> None:
         go.FigureWidget  # noqa: B018  (plotly imports it on first use)
     except Exception:  # noqa: BLE001  (the live view reports it when it is made)
         pass
-
-
-def make_view(stream: TextIO | None = None) -> View:
-    """The live view where widgets can be shown, else the text fallback."""
-    return LiveView() if widget_frontend() else TextView(stream)
 
 
 # ---------------------------------------------------------------- formatting
@@ -173,6 +172,8 @@ def progress_line(feed: Feed) -> str:
 def summary_lines(feed: Feed) -> list[str]:
     ended = {None: "finished", "failed": "failed", "stopped": "stopped"}.get(feed.outcome, "ended")
     lines = [f"[progress] {ended} after {feed.elapsed:.1f} s; {len(feed.metrics)} points logged"]
+    if wants_aggregate(len(feed.ranks)):
+        return lines + [f"[progress] {line}" for line in aggregate_lines(feed)]
     for rank in sorted(feed.ranks):
         state = feed.ranks[rank]
         values = ", ".join(f"{name} {format_value(value)}" for name, value in state.last.items())
@@ -184,6 +185,33 @@ def summary_lines(feed: Feed) -> list[str]:
         lines.append(f"[progress] rank {rank} per step: {feed.step_times[rank].describe()}")
     if feed.straggler is not None:
         lines.append(f"[progress] {feed.straggler.headline()}")
+    return lines
+
+
+def aggregate_lines(feed: Feed) -> list[str]:
+    """A large world's cell in a few lines: the ranks' states counted, each loop's progress, each
+    metric's median and outliers, the straggler."""
+    states = Counter(state.state for state in feed.ranks.values())
+    counted = ", ".join(f"{count:,} {name}" for name, count in sorted(states.items(), key=lambda item: -item[1]))
+    failed = [rank for rank, state in feed.ranks.items() if state.state == "failed"]
+    lines = [
+        f"{count_ranks(len(feed.ranks))}: {counted}"
+        + (f" (failed: {rank_list(tuple(sorted(failed)))})" if failed else "")
+    ]
+    for level in sorted({level for _, level in feed.bars}):
+        summary = summarize_progress(feed.bars, level)
+        if summary is not None:
+            lines.append(summary.describe())
+    for name in feed.metrics.names:
+        last = sorted(value for state in feed.ranks.values() if (value := state.last.get(name)) is not None)
+        if not last:
+            continue
+        outliers = "; ".join(o.describe() for o in outlier_ranks(feed.metrics, name, limit=3))
+        lines.append(
+            f"{name}: median {format_value(last[len(last) // 2])}" + (f"; outliers: {outliers}" if outliers else "")
+        )
+    if feed.straggler is not None:
+        lines.append(feed.straggler.headline())
     return lines
 
 
@@ -208,7 +236,11 @@ def where_rank_is(reading: Any) -> str:
 
 def xray_line(feed: Feed) -> str:
     """The X-ray on one line: `[x-ray 00:05] rank 0 waits in ...; rank 1 runs the cell ...`."""
-    parts = [f"rank {rank} {where_rank_is(reading)}" for rank, reading in sorted(feed.waiting.items())]
+    waiting = feed.waiting
+    if len(waiting) > GROUP_ABOVE:  # grouped by where they are, the seconds each waited aside
+        places = [(rank, where_rank_is(reading).rsplit(" for ", 1)[0]) for rank, reading in waiting.items()]
+        return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(grouped_lines(places, group_above=0))
+    parts = [f"rank {rank} {where_rank_is(reading)}" for rank, reading in sorted(waiting.items())]
     return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(parts)
 
 
@@ -356,6 +388,10 @@ class LiveView:
             self._draw_curves(feed, final)
             if final:
                 self._keep_figure()
+        self._draw_panels(feed, final)
+
+    def _draw_panels(self, feed: Feed, final: bool) -> None:
+        """The tables under the curves: each rank's state, time per step and collective X-ray."""
         self.status.value = status_table(feed)
         _show_panel(self.steps, steps_table(feed))
         _show_panel(self.xray, "" if final else xray_table(feed))
@@ -372,7 +408,7 @@ class LiveView:
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
         # a cell whose ranks sent nothing yet (shown for its X-ray): the ranks it runs on
-        ranks = ", ".join(str(rank) for rank in sorted(feed.ranks or feed.expected or ()))
+        ranks = rank_list(tuple(sorted(feed.ranks or feed.expected or ())))
         if not final:
             state = f"running · {feed.elapsed:.1f} s"
         else:

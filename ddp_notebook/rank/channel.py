@@ -11,12 +11,22 @@ Standard library only at import: ranks import this without widgets, and without 
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..wire.channel import FLUSH_SECONDS, MESSAGE_VERSION, BarMessage, BarRun, RankMessage, RunState, message_key
+from ..wire.channel import (
+    FLUSH_SECONDS,
+    MESSAGE_VERSION,
+    BarMessage,
+    BarRun,
+    RankMessage,
+    RunState,
+    flush_seconds,
+    message_key,
+)
 from .state import RANK
 
 
@@ -248,6 +258,12 @@ def _connect() -> Channel:
 
     channel = Channel(publish=publish_data, step_times=CLOCK.summary)
 
+    def paced() -> None:
+        # read at each cell: a resize changes the world's size
+        channel.flush_seconds = flush_seconds(int(os.environ.get("WORLD_SIZE") or 1))
+
+    paced()
+
     def ended(result: Any) -> None:
         error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
         if error is None:
@@ -255,7 +271,7 @@ def _connect() -> Channel:
         else:
             channel.end_cell("stopped" if isinstance(error, KeyboardInterrupt) else "failed")
 
-    shell.events.register("pre_run_cell", lambda *_: channel.begin_cell())
+    shell.events.register("pre_run_cell", lambda *_: (paced(), channel.begin_cell()))
     shell.events.register("post_run_cell", ended)
     return channel
 

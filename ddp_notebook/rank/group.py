@@ -75,14 +75,19 @@ def init_world(spec: RankSpec) -> JoinReport:
     _import_dynamo_first()
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = _make_store(spec, timeout)
+    if spec.simulated:
+        # no rendezvous: a fake group's ranks never talk to each other (their run id is the rank's own)
+        store, backend = torch_adapter.fake_group_store(), torch_adapter.FAKE_BACKEND
+        close_rendezvous()
+    else:
+        store, backend = _make_store(spec, timeout), spec.backend
     init_kwargs: dict[str, Any] = {}
     if device.type == "cuda" and spec.backend == "nccl":
         # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
         init_kwargs["device_id"] = device
     xray_rank.before_group()
-    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
-    _share_run_id(store, rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
+    _share_run_id(store, 0 if spec.simulated else rank)
     context = RankContext(
         rank=rank,
         world_size=world_size,

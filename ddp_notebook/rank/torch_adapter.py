@@ -138,3 +138,15 @@ def breaks_group(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     return isinstance(error, (RuntimeError, ValueError)) and _BROKEN_GROUP_TEXT.search(str(error)) is not None
+
+
+# the backend of torch's fake process group: a simulated world's (scale tests and benchmarks)
+FAKE_BACKEND = "fake"
+
+
+def fake_group_store() -> dist.Store:
+    """A store for a rank of a simulated world: torch registers its fake backend (a process group
+    whose collectives return at once, communicating nothing) only in its testing package."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    return dist.HashStore()

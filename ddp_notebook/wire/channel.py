@@ -12,6 +12,16 @@ from typing import Literal, TypedDict
 
 # the rank publishes at most this often (and once more when the cell ends)
 FLUSH_SECONDS = 0.1
+# ... in a world of up to this many ranks; a larger world's ranks publish less often, so that all of
+# them together send the notebook about this many messages a second (1,024 ranks: each one a second)
+MESSAGES_PER_SECOND = 1000
+
+
+def flush_seconds(world_size: int) -> float:
+    """How often each rank of a world of `world_size` ranks publishes its live-view batch."""
+    return max(FLUSH_SECONDS, world_size / MESSAGES_PER_SECOND)
+
+
 # the key of our messages in a published dict; other keys belong to the user
 MESSAGE_KEY = "ddp_notebook"
 # ipyparallel keeps what a rank published before the notebook listened (under load, the first

@@ -52,6 +52,8 @@ class RankSpec:
     # the notebook's host and folder: a rank works there, or in a sync folder where it does not exist
     notebook_host: str | None = None
     notebook_folder: str | None = None
+    # a simulated world (scale tests, benchmarks): a fake process group, no communication
+    simulated: bool = False
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
-from ..cell import debugging, xray
+from ..cell import debugging, large_output, xray
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.profiling import ProfiledCell, ProfileSettings
 from ..cell.relay import CellRelay, OutputSink
@@ -92,6 +92,7 @@ class DDPCluster:
         self.start_seconds: float | None = None
         self.last_heal_seconds: float | None = None
         self.last_failures: tuple[RankFailure, ...] = ()
+        self.last_output: large_output.LargeOutput | None = None  # the last cell's output, every rank's
         # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
         self.recorder = live_feed.Recorder()
         # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
@@ -318,6 +319,7 @@ class DDPCluster:
         tracker: str | trackers.TrackerSettings | None = None,
         params: Sequence[str] = (),
         profile: ProfileSettings | int | bool | None = None,
+        show: Iterable[int] | str | None = None,
     ) -> CellResult:
         """Run `code` as a cell on `ranks` (default: all) and wait for it.
 
@@ -342,6 +344,11 @@ class DDPCluster:
         `profile` (`%%ddp --profile`): torch.profiler on every rank over the cell's optimizer steps,
         a number of steps to record or `ProfileSettings(...)`; the traces go to a folder and
         `self.last_profile` holds what they show (a timeline per rank, the straggler, ...).
+
+        `show` (`%%ddp --show`): the ranks whose stdout is shown while the cell streams, or "all".
+        By default every rank's, up to SHOW_ALL_UP_TO (16) ranks; in a larger world rank 0's, with
+        every rank's stderr and the same line of several ranks shown once (`[ranks 0-511] ...`).
+        Every rank's output is kept either way: `self.output(rank)`.
         """
         outcome = self.run(
             code,
@@ -353,6 +360,7 @@ class DDPCluster:
             tracker=tracker,
             params=params,
             profile=profile,
+            show=show,
         )
         result = outcome.raise_for_error()
         if stream and outcome.heal_note:
@@ -371,10 +379,12 @@ class DDPCluster:
         tracker: str | trackers.TrackerSettings | None = None,
         params: Sequence[str] = (),
         profile: ProfileSettings | int | bool | None = None,
+        show: Iterable[int] | str | None = None,
     ) -> CellOutcome:
         """Like `execute`, but return how the cell ended instead of raising for it."""
         world = self._require_running()
         targets = self._select(ranks)
+        routing = large_output.for_world(self.world_size, self._shown(show))
         if setup and len(targets) != self.world_size:
             raise DDPUsageError("a setup cell runs on every rank: leave out --ranks")
         if self.needs_heal:
@@ -395,6 +405,7 @@ class DDPCluster:
             return went_on
         self._sync_before_cell(world)
         if isinstance(on_data, live_feed.Feed):
+            on_data.size_hint = len(targets)  # a large world's feed keeps what its aggregate view draws
             # before the cell is sent: its first points may arrive at once
             run_name = f"{trackers.notebook_name()} cell {len(self.cell_history) + 1}"
             self.tracking.attach(on_data, chosen, run_name, lambda: trackers.world_description(self))
@@ -419,7 +430,9 @@ class DDPCluster:
             on_data,
             feed.memory if feed is not None else None,
             feed.collectives if feed is not None else None,
+            routing,
         )
+        self.last_output = routing
         ending = relay.wait(sink, timeout, world.supervisor)
         result.elapsed = time.perf_counter() - began
         result.values.update(relay.values())
@@ -447,6 +460,7 @@ class DDPCluster:
             heal_note=heal_note,
             came_back=came_back,
             mismatch=relay.mismatch,
+            released_from=dict(relay.released_from),
         )
         if feed is not None and not feed.finished:
             # its final drawing, where no rank's message ended it (a view shown only for the X-ray,
@@ -777,6 +791,14 @@ class DDPCluster:
         waits in (op, sequence number, shapes, cell line, seconds waited); answered while they are blocked."""
         return self._require_running(allow_broken=True).supervisor.collectives(self._select(ranks), full=True)
 
+    def output(self, rank: int) -> str:
+        """Everything `rank` printed in the last cell, shown or not (stderr lines marked `! `): the
+        last 1 MiB of it, or of a world's 64 MiB its share. `%ddp_output RANK`."""
+        (rank,) = self._select([rank])
+        if self.last_output is None:
+            raise DDPUsageError("no cell has run yet: %ddp_output shows a rank's output of the last one")
+        return self.last_output.output(rank)
+
     def debug(self, rank: int | None = None) -> None:
         """pdb, in the notebook, on `rank`'s last failed cell (default: the root cause of the last
         RankError); each line is asked with input(). `%ddp_debug`."""
@@ -906,6 +928,9 @@ class DDPCluster:
                 f"the world is broken ({ranks}): %ddp_restart (or restart()) starts a full world again"
             )
         return self._world
+
+    def _shown(self, show: Iterable[int] | str | None) -> tuple[int, ...] | None:
+        return None if show is None else self._select(show)
 
     def _select(self, ranks: Iterable[int] | str | None) -> tuple[int, ...]:
         size = self.world_size

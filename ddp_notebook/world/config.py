@@ -79,6 +79,10 @@ class WorldConfig:
     check_collectives: bool = False
     # reload edited user modules on every rank before each cell (%ddp_autoreload)
     autoreload: bool = True
+    # a simulation for scale tests and benchmarks: the ranks join torch's fake process group (no
+    # communication: every collective returns at once, with wrong values), so hundreds of ranks fit
+    # one machine while the engines, channel, X-ray, live view and reports run for real
+    simulated: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -144,6 +148,7 @@ class WorldConfig:
         check_collectives: bool = False,
         autoreload: bool = True,
         force: bool = False,
+        simulated: bool = False,
         **shortcuts: Any,
     ) -> WorldConfig:
         """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
@@ -179,6 +184,10 @@ class WorldConfig:
         - `force`: start a local world that does not fit: more ranks than the memory available
           holds (about RANK_MEMORY_BYTES each before any data), or more CPU ranks than
           CPU_RANKS_PER_CORE per core (and more than 4). Without it such a world is refused.
+        - `simulated`: a simulation for scale tests and benchmarks, never for training: CPU ranks of
+          one thread join torch's fake process group (every collective returns at once, with wrong
+          values, and no rank talks to another), so hundreds fit one machine while the engines,
+          channel, X-ray, live view and reports run for real; the memory and cores check is off.
         """
         unknown = set(shortcuts) - set(launchers.SHORTCUTS)
         if unknown:
@@ -196,11 +205,15 @@ class WorldConfig:
             raise DDPUsageError(f"--ip {address} is not an IPv4 address of this machine's network interfaces")
         if backend not in BACKEND_CHOICES:
             raise DDPUsageError(f"backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
+        if simulated and (backend == "nccl" or gpus is not None):
+            raise DDPUsageError("a simulated world runs CPU ranks: leave out backend='nccl' and gpus")
         placement = (
-            _ranks_here(n_ranks, backend, gpus, force)
+            _ranks_here(n_ranks, "gloo" if simulated else backend, gpus, force or simulated)
             if launch.is_local
             else _ranks_elsewhere(n_ranks, backend, gpus, launch)
         )
+        if simulated:
+            placement["threads_per_rank"] = 1  # a fake group computes nothing worth a core
         return cls(
             **placement,
             timeout=timeout,
@@ -215,6 +228,7 @@ class WorldConfig:
             on_loss=str(on_loss),
             check_collectives=bool(check_collectives),
             autoreload=bool(autoreload),
+            simulated=bool(simulated),
         )
 
 

@@ -224,6 +224,7 @@ def rank_spec(
         autoreload=config.autoreload,
         notebook_host=socket.gethostname(),
         notebook_folder=os.getcwd(),
+        simulated=config.simulated,
     )
 
 

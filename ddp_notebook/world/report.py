@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..cell.output import tag_value
+from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, rank_list
 from ..platform.limits import format_bytes
 from ..wire.results import CellResult, MemoryReading, RankInfo, RankStatus
 from .config import is_loopback
@@ -103,7 +105,14 @@ def format_memory(reading: MemoryReading) -> str:
 
 
 def format_status(world: DDPCluster, rows: Sequence[RankStatus], memory: MemoryReading | None = None) -> str:
-    """The %ddp_status table: each rank's state, where it runs, its memory and its share of the limit."""
+    """The %ddp_status table: each rank's state, where it runs, its memory and its share of the limit;
+    past GROUP_ABOVE ranks, the ranks counted and only the rows worth a look."""
+    lines = [f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}"]
+    if memory is not None:
+        lines.append(format_memory(memory))
+    if len(rows) > GROUP_ABOVE:
+        lines.extend(_summarised(rows))
+        rows = _worth_a_look(rows)
     body = table(
         ("rank", "state", "host", "pid", "device", "memory", "of limit", "gpu memory"),
         [
@@ -111,10 +120,39 @@ def format_status(world: DDPCluster, rows: Sequence[RankStatus], memory: MemoryR
             for s in rows
         ],
     )
-    lines = [f"world of {world.world_size} ranks ({world.backend}): {world_health(world, rows)}"]
-    if memory is not None:
-        lines.append(format_memory(memory))
     return "\n".join([*lines, body])
+
+
+def _summarised(rows: Sequence[RankStatus]) -> list[str]:
+    """A large world's ranks in a few lines: their states and hosts counted, their memory spread."""
+    states = Counter(s.state for s in rows)
+    counted = ", ".join(f"{count:,} {state}" for state, count in states.most_common())
+    unusual = [s.rank for s in rows if s.state != "idle"]
+    if unusual and len(unusual) < len(rows):
+        counted += f" (not idle: {rank_list(tuple(unusual))})"
+    hosts = Counter(s.host for s in rows)
+    where = ", ".join(f"{host} {count:,}" for host, count in hosts.most_common(RUNS_SHOWN))
+    more = f", {len(hosts) - RUNS_SHOWN:,} more hosts" if len(hosts) > RUNS_SHOWN else ""
+    lines = [
+        f"{count_ranks(len(rows))}: {counted}; on {len(hosts):,} host{'s' if len(hosts) > 1 else ''} ({where}{more})"
+    ]
+    measured = sorted((s.memory_mb, s.rank) for s in rows if s.memory_mb is not None)
+    if measured:
+        (low, low_rank), (high, high_rank) = measured[0], measured[-1]
+        median = measured[len(measured) // 2][0]
+        lines.append(
+            f"rank memory: median {_mb(median)}, min {_mb(low)} (rank {low_rank}), max {_mb(high)} (rank {high_rank})"
+        )
+    lines.append("the ranks worth a look (not idle, or holding the most memory):")
+    return lines
+
+
+def _worth_a_look(rows: Sequence[RankStatus], most: int = 3) -> list[RankStatus]:
+    """Rows of the ranks that are not idle, and of the few holding the most memory, in rank order."""
+    chosen = {s.rank for s in rows if s.state != "idle"}
+    chosen |= {s.rank for s in sorted(rows, key=lambda s: -(s.memory_mb or 0.0))[:most]}
+    picked = [s for s in rows if s.rank in chosen]
+    return picked[: RUNS_SHOWN * 2]
 
 
 def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
@@ -122,7 +160,7 @@ def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
     gone = [s.rank for s in rows if s.state == "gone"]
     if world.state is WorldState.BROKEN or gone:
         dead = sorted(set(world.broken) | set(gone))
-        return f"broken (rank {', '.join(map(str, dead))} gone): %ddp_restart"
+        return f"broken (rank {rank_list(tuple(dead))} gone): %ddp_restart"
     if world.state is WorldState.NEEDS_HEALING:
         return "needs healing (a cell broke the process group): the next cell sets it up again"
     return str(world.state)

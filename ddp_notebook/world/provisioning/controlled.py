@@ -20,7 +20,17 @@ log = logging.getLogger("ddp_notebook")
 # 10 times a second; a rank answers each beat in a zmq thread, without Python.
 HEARTBEAT_PERIOD_MS = 100
 # how long a busy rank may miss heartbeats before the controller drops it: 10 s
-HEARTBEAT_MISSES = 10_000 // HEARTBEAT_PERIOD_MS
+HEARTBEAT_LIMIT_MS = 10_000
+# ... up to this many ranks; the controller answers every rank's beat in Python, so a larger world
+# beats slower, in proportion (1,024 ranks: every 1.6 s), the limit staying 10 s
+HEARTBEAT_RANKS = 64
+
+
+def heartbeat_period_ms(n_ranks: int | None) -> int:
+    """The controller's heartbeat period for a world of `n_ranks` ranks (None: not known yet)."""
+    return max(HEARTBEAT_PERIOD_MS, HEARTBEAT_PERIOD_MS * (n_ranks or 0) // HEARTBEAT_RANKS)
+
+
 STOP_SECONDS = 10.0
 ENTRY = "ddp_notebook.rank.entrypoints"
 
@@ -40,6 +50,7 @@ class ControlledProvisioner(Provisioner):
         """An ipyparallel Cluster with its controller started; `controller_options` go to the controller's launcher."""
         import ipyparallel as ipp
 
+        period = heartbeat_period_ms(self.config.n_ranks)
         self.cluster = ipp.Cluster(
             n=0,
             delay=0,
@@ -47,8 +58,8 @@ class ControlledProvisioner(Provisioner):
             cluster_file="",
             controller_ip=self.config.master_addr,
             controller_args=[
-                f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+                f"--HeartMonitor.period={period}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_LIMIT_MS // period}",
                 # the schedulers as threads, not 8 processes: a controller forked from the warm
                 # template (torch imported) took 40 ms to fork each; the message queues are
                 # zmq devices either way, running without the GIL

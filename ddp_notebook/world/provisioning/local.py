@@ -18,7 +18,7 @@ from ...wire.results import Death, RankInfo
 from .. import layout, spare, template
 from ..config import WorldConfig
 from .base import death_of
-from .controlled import HEARTBEAT_MISSES, HEARTBEAT_PERIOD_MS, STOP_SECONDS, ControlledProvisioner, launched_pids
+from .controlled import HEARTBEAT_LIMIT_MS, STOP_SECONDS, ControlledProvisioner, launched_pids
 
 log = logging.getLogger("ddp_notebook")
 # how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
@@ -216,7 +216,7 @@ class LocalProvisioner(ControlledProvisioner):
                 # heartbeat thread runs): the controller dropped it; the comeback ends its process
                 dead[info.rank] = Death(
                     "lost",
-                    f"stopped answering the controller for {HEARTBEAT_MISSES * HEARTBEAT_PERIOD_MS / 1000:g} s "
+                    f"stopped answering the controller for {HEARTBEAT_LIMIT_MS / 1000:g} s "
                     "(its process is stopped or hung; it is ended)",
                 )
         if named_now and self.oom_before is not None:

@@ -1,0 +1,271 @@
+"""What a world costs as its rank count grows: a simulation with light ranks, in a real kernel.
+
+    python benchmarks/run.py scale [--sizes 2,8,32,128,256] [--seconds 5] [--json PATH]
+    python benchmarks/scale.py ...   (the same)
+
+SIMULATED RANKS: each rank is a real ipyparallel engine forked from the warm template, with the
+real channel, X-ray, live view and reports, but it joins torch's fake process group (no
+communication; `DDPCluster(n, simulated=True)`), so hundreds of ranks fit one machine. What it
+measures is the control plane: the collectives of a real world add their own cost on top.
+
+For each size, in a fresh Jupyter kernel driven as a notebook front end drives it:
+- start: `DDPCluster(n, simulated=True).start()`, in the kernel;
+- round trip: a trivial `%%ddp` cell (`x = 1`), from the execute request to the kernel going idle
+  (the median of 5, after one untimed);
+- streaming: a cell in which every rank logs a loss at 10 Hz and prints a line a second for
+  `--seconds`: the kernel's and the controller's CPU (cores' worth over the cell) and resident
+  memory, bytes per second into the kernel (TCP, every socket of the kernel process: what
+  ipyparallel brings it) and to the front end (every iopub message of the cell: what a browser gets);
+- a dead rank named: the last rank writes the time and exits mid-cell (`os._exit`); the seconds
+  until the front end gets the error naming it;
+- a rank's memory: the mean unique (USS) memory of the ranks, and so how many fit the memory free.
+
+With `--browser N`: the same streaming cell at N ranks in JupyterLab, drawn by a real chromium
+(Playwright): the time between the page's frames while the cell streams (median, 99th percentile,
+longest), the aggregate live view on screen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from harness import exit_on_sigterm, machine_info, print_table, write_json
+from subjects import SETUP_TIMEOUT, Kernel
+
+SIZES = (2, 8, 32, 128, 256)
+ROUND_TRIPS = 5
+START = """
+import json, time, ddp_notebook
+_began = time.perf_counter()
+world = ddp_notebook.DDPCluster({n}, simulated=True, on_loss="stop", start_timeout={start_timeout})
+world.start()
+world.activate()
+print("SCALE", json.dumps({{"start_s": time.perf_counter() - _began, "rank_pids": [i.pid for i in world.ranks],
+                           "controller_pid": world.provisioner.controller_pid}}))
+"""
+STREAM = """%%ddp --timeout {limit}
+import time
+for step in range({steps}):
+    ddp_notebook.log(loss=1.0 / (step + 1) + rank * 1e-3)
+    if step % 10 == 0:
+        print(f"step {{step}}")
+    time.sleep(0.1)
+"""
+DEATH = """%%ddp --timeout 120
+import os, time
+if rank == {last}:
+    time.sleep(1.0)
+    with open({mark!r}, "w") as handle:
+        handle.write(repr(time.time()))
+    os._exit(3)
+time.sleep(60)
+"""
+STOP = "world.stop()"
+TCP_RECEIVED = re.compile(r"bytes_received:(\d+)")
+
+
+class CountingKernel(Kernel):
+    """A kernel whose iopub messages are also counted in bytes (their content's JSON and buffers)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.iopub_bytes = 0
+
+    def _route(self, message: dict[str, Any]) -> None:
+        self.iopub_bytes += len(json.dumps(message["content"], default=str))
+        self.iopub_bytes += sum(len(memoryview(buffer)) for buffer in message.get("buffers") or ())
+        super()._route(message)
+
+
+def tcp_bytes_received(pid: int) -> int:
+    """Bytes every TCP socket of `pid` has received (the kernel's ipyparallel sockets)."""
+    listing = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    total, ours = 0, False
+    for line in listing.splitlines():
+        if not line[:1].isspace():  # a socket's first line names its process
+            ours = f"pid={pid}," in line
+        elif ours and (found := TCP_RECEIVED.search(line)):
+            total += int(found.group(1))
+    return total
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def run_cell(kernel: Kernel, code: str, timeout: float) -> Any:
+    cell = kernel.run(code, timeout)
+    if cell.status != "ok":
+        raise RuntimeError(f"{code.strip().splitlines()[0]!r} failed: {cell.text[-2000:]}")
+    return cell
+
+
+def measure(n: int, seconds: float) -> dict[str, Any]:
+    kernel = CountingKernel(sys.executable, dict(os.environ))
+    row: dict[str, Any] = {"ranks": n}
+    try:
+        run_cell(kernel, "%load_ext ddp_notebook", SETUP_TIMEOUT)
+        started = run_cell(kernel, START.format(n=n, start_timeout=max(120, n)), max(SETUP_TIMEOUT, 2.0 * n))
+        facts = json.loads(re.search(r"SCALE (\{.*\})", started.text).group(1))
+        row["start_s"] = facts["start_s"]
+        kernel_process = psutil.Process(kernel.pid)
+        controller = psutil.Process(facts["controller_pid"])
+        uss = [psutil.Process(pid).memory_full_info().uss for pid in facts["rank_pids"]]
+        row["rank_uss_mib"] = statistics.mean(uss) / 2**20
+        row["ranks_that_fit"] = int(psutil.virtual_memory().available / statistics.mean(uss)) + n
+
+        run_cell(kernel, "%%ddp\nx = 1", 60)
+        trips = []
+        for _ in range(ROUND_TRIPS):
+            cell = run_cell(kernel, "%%ddp\nx = 1", 60)
+            trips.append(cell.elapsed)
+        row["round_trip_s"] = statistics.median(trips)
+
+        # the first live view of a notebook loads plotly.js into the page (5 MB, once): not per cell
+        run_cell(kernel, STREAM.format(steps=1, limit=60), 120)
+        steps = int(seconds * 10)
+        cpu_kernel, cpu_controller = cpu_seconds(kernel_process), cpu_seconds(controller)
+        into_kernel, to_browser = tcp_bytes_received(kernel.pid), kernel.iopub_bytes
+        began = time.perf_counter()
+        cell = run_cell(kernel, STREAM.format(steps=steps, limit=seconds * 10 + 60), seconds * 10 + 120)
+        took = time.perf_counter() - began
+        row["stream_cell_s"] = took
+        row["kernel_cores"] = (cpu_seconds(kernel_process) - cpu_kernel) / took
+        row["controller_cores"] = (cpu_seconds(controller) - cpu_controller) / took
+        row["kernel_mib"] = kernel_process.memory_info().rss / 2**20
+        row["controller_mib"] = controller.memory_info().rss / 2**20
+        row["into_kernel_kb_s"] = (tcp_bytes_received(kernel.pid) - into_kernel) / took / 1e3
+        row["to_browser_kb_s"] = (kernel.iopub_bytes - to_browser) / took / 1e3
+        row["printed_lines"] = cell.text.count("step ")
+
+        with tempfile.NamedTemporaryFile("r", prefix="scale-death-", delete=True) as mark:
+            cell = kernel.run(DEATH.format(last=n - 1, mark=mark.name), 180)
+            died = float(Path(mark.name).read_text() or "nan")
+        named = [o.wall for o in cell.outputs if o.error and f"rank {n - 1}" in o.text]
+        row["dead_rank_named_s"] = (named[0] - died) if named else None
+        kernel.run(STOP, 300)
+    finally:
+        kernel.shutdown()
+    return row
+
+
+COLUMNS = (
+    ("ranks", "ranks"),
+    ("start_s", "start s"),
+    ("round_trip_s", "round trip s"),
+    ("dead_rank_named_s", "dead named s"),
+    ("kernel_cores", "kernel cores"),
+    ("kernel_mib", "kernel MiB"),
+    ("controller_cores", "ctrl cores"),
+    ("controller_mib", "ctrl MiB"),
+    ("into_kernel_kb_s", "into kernel KB/s"),
+    ("to_browser_kb_s", "to browser KB/s"),
+    ("rank_uss_mib", "rank USS MiB"),
+    ("ranks_that_fit", "ranks fit"),
+)
+
+
+def browser_frames(n: int, seconds: float) -> dict[str, Any]:
+    """Frame gaps of JupyterLab's page while `n` simulated ranks stream into the live view."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS, jupyterlab, missing_requirement
+    from tests.test_browser import FRAMES_JS, LARGE_JS
+
+    reason = missing_requirement()
+    if reason:
+        raise RuntimeError(f"no browser benchmark: {reason}")
+    cells = [
+        "%load_ext ddp_notebook\nimport ddp_notebook\n"
+        f"world = ddp_notebook.DDPCluster({n}, simulated=True, start_timeout={max(300, 2 * n)})\n"
+        "world.start()\nworld.activate()",
+        STREAM.format(steps=1, limit=60),
+        STREAM.format(steps=int(seconds * 10), limit=seconds * 10 + 60),
+        'world.stop()\nprint("the large world stopped")',
+    ]
+    with tempfile.TemporaryDirectory(prefix="scale-browser-") as base, jupyterlab(Path(base)) as lab:
+        nbformat.write(new_notebook(cells=[new_code_cell(c) for c in cells]), lab.root / "scale.ipynb")
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch_persistent_context(
+                str(Path(base) / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+            )
+            try:
+                page = browser.new_page()
+                page.goto(f"{lab.url}/lab/tree/scale.ipynb?token={lab.token}")
+                page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+                page.get_by_role("menuitem", name="Run", exact=True).click()
+                page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+                deadline, timing = time.monotonic() + 600 + 2 * n, False
+                while time.monotonic() < deadline:
+                    sample = page.evaluate(LARGE_JS)
+                    if sample["errors"]:
+                        raise RuntimeError(f"the notebook failed: {sample['errors']}")
+                    if sample["shown"] and not timing and "step" in sample["text"]:
+                        page.evaluate(FRAMES_JS)
+                        timing = True
+                    if "the large world stopped" in sample["text"]:
+                        break
+                    page.wait_for_timeout(250)
+                else:
+                    raise RuntimeError("the notebook did not finish in time")
+            finally:
+                browser.close()
+    gaps = sorted(sample["gaps"])
+    return {
+        "ranks": n,
+        "frames": len(gaps),
+        "median_ms": gaps[len(gaps) // 2],
+        "p99_ms": gaps[int(len(gaps) * 0.99)],
+        "longest_ms": gaps[-1],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="rank counts (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="the streaming cell's length (default: 5)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows here")
+    parser.add_argument("--browser", type=int, metavar="N", help="also: frame gaps in JupyterLab at N ranks")
+    args = parser.parse_args(argv)
+    sizes = [int(size) for size in args.sizes.split(",")]
+    exit_on_sigterm()
+    info = machine_info()
+    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print("== SIMULATED ranks (torch's fake process group): the control plane's cost, not a real world's")
+    rows = []
+    for n in sizes:
+        began = time.monotonic()
+        rows.append(measure(n, args.seconds))
+        print(f"   {n} ranks measured in {time.monotonic() - began:.0f} s", flush=True)
+    print()
+    print_table([title for _, title in COLUMNS], [[row.get(key) for key, _ in COLUMNS] for row in rows])
+    frames = None
+    if args.browser:
+        frames = browser_frames(args.browser, args.seconds)
+        print(
+            f"\nJupyterLab (chromium) while {frames['ranks']} ranks stream: {frames['frames']} frames, gap median "
+            f"{frames['median_ms']:.0f} ms, 99th percentile {frames['p99_ms']:.0f} ms, "
+            f"longest {frames['longest_ms']:.0f} ms"
+        )
+    payload = {"command": " ".join([sys.executable, *sys.argv]), "machine": info, "rows": rows, "browser": frames}
+    write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The live view of a large world (more than AGGREGATE_ABOVE ranks), bounded whatever the rank count.
+
+A bar and a curve per rank stop being readable (and cost the browser a message per rank per
+redraw) long before 1,024 ranks. This view draws the same cell as aggregates (`live.aggregate`):
+- progress: one bar per loop level at the median rank, min / median / max and the slowest ranks named;
+- each metric: the median over the ranks with a band (10th to 90th percentile) and the outlier
+  ranks (robust z-score on their latest value) drawn as their own curves;
+- a heat map of seconds per step, ranks (in bands of consecutive ranks, each cell the band's worst)
+  by time, so a rank that slows down shows where and when;
+- the state of the ranks counted ("1,020 running, 3 done, 1 failed: rank 17"), the slowest by
+  step rate, each metric's outliers, the straggler by phase;
+- the collective X-ray grouped by where the ranks wait.
+What reaches the browser per redraw is a few hundred points per metric and one bounded heat map,
+so the bytes a second stay bounded as ranks grow (`benchmarks/run.py scale`).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from ..cell.large_output import grouped_lines
+from ..errors import RUNS_SHOWN, count_ranks, rank_ranges
+from .aggregate import band, outlier_ranks, summarize_progress, wants_aggregate
+from .feed import Feed, View
+from .widgets import (
+    STATE_COLORS,
+    LiveView,
+    TextView,
+    _array,
+    _show_panel,
+    axes_layout,
+    format_rate,
+    where_rank_is,
+    widget_frontend,
+)
+
+# the curves and the heat map cost most to redraw: at most this often in a large world
+LARGE_CURVE_SECONDS = 1.0
+HEAT_SECONDS = 2.0
+# points per curve (median, band, outliers) while the cell runs and at its end
+BAND_POINTS = 200
+# outlier ranks drawn per metric, and named in the table
+OUTLIERS = 3
+# the heat map's size: time bins by bands of ranks
+HEAT_COLUMNS = 40
+HEAT_ROWS = 32
+SLOWEST = 3
+# a metric's traces: the band's lower and upper edges, the median, then the outlier ranks
+_BAND_LOW, _BAND_HIGH, _MEDIAN = 0, 1, 2
+_TRACES_PER_METRIC = 3 + OUTLIERS
+
+
+def make_view(stream: TextIO | None = None, ranks: int = 0) -> View:
+    """The live view of a cell on `ranks` ranks: where widgets can be shown, this large world's view
+    above AGGREGATE_ABOVE ranks and `LiveView` up to it; else the text fallback (`TextView`)."""
+    if not widget_frontend():
+        return TextView(stream)
+    return LargeWorldView() if wants_aggregate(ranks) else LiveView()
+
+
+class LargeWorldView(LiveView):
+    """`LiveView`'s layout, drawn as aggregates: one bar per level, bands, a heat map, grouped tables."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(live_budget=BAND_POINTS, curve_seconds=LARGE_CURVE_SECONDS, clock=clock)
+        from . import plotly_adapter
+
+        widgets = self._widgets
+        # made now, like the curves' figure: plotly.js must be in the page before an update reaches it
+        self.heat_figure = plotly_adapter.figure_widget(
+            layout={
+                "height": 260,
+                "margin": {"l": 70, "r": 20, "t": 30, "b": 40},
+                "template": "plotly_white",
+                "title": {"text": "seconds per step (each band of ranks: its slowest)", "font": {"size": 12}},
+                "xaxis": {"title": {"text": "seconds into the cell"}},
+                "yaxis": {"title": {"text": "ranks"}, "type": "category", "autorange": "reversed"},
+            }
+        )
+        self.heat = widgets.VBox()  # empty until a rank logged a step
+        self.heat.add_class("ddp-heat")
+        self.widget.children = (self.header, self.xray, self.bars, self.plot, self.heat, self.status, self.steps)
+        self.widget.add_class("ddp-large")
+        self._levels: dict[int, tuple[Any, Any]] = {}
+        self._metric_traces: dict[str, int] = {}  # metric -> index of its first trace
+        self._heat_drawn = -math.inf
+
+    def draw(self, feed: Feed, final: bool) -> None:
+        super().draw(feed, final)
+        now = self._clock()
+        if feed.heat is not None and (final or now - self._heat_drawn >= HEAT_SECONDS):
+            self._heat_drawn = now
+            self._draw_heat(feed)
+
+    # ------------------------------------------------------------ progress
+
+    def _draw_bars(self, feed: Feed) -> None:
+        widgets = self._widgets
+        added = False
+        for level in sorted({level for _, level in feed.bars}):
+            summary = summarize_progress(feed.bars, level, slowest=SLOWEST)
+            if summary is None:
+                continue
+            row = self._levels.get(level)
+            if row is None:
+                bar = widgets.IntProgress(min=0, max=1, value=0, layout=widgets.Layout(width="35%"))
+                row = self._levels[level] = (bar, widgets.HTML())
+                added = True
+            bar, text = row
+            total = summary.total
+            bar.max = max(total or 1, 1)
+            bar.value = min(int(summary.median), bar.max) if total else bar.max
+            state = "success" if summary.finished == summary.ranks else ""
+            if bar.bar_style != state:
+                bar.bar_style = state
+            value = f"<code>{html.escape(summary.describe())}</code>"
+            if text.value != value:
+                text.value = value
+        if added:
+            rows = [widgets.HBox(list(self._levels[level])) for level in sorted(self._levels)]
+            for row in rows:
+                row.add_class("ddp-bar")
+            self.bars.children = tuple(rows)
+
+    # ------------------------------------------------------------ curves
+
+    def _draw_curves(self, feed: Feed, final: bool) -> None:
+        metrics = feed.metrics
+        names = metrics.names
+        if not names:
+            return
+        if not self.plot.children:
+            self.plot.children = (self.figure,)
+        if names != self._names:
+            self._names = names
+            self._lay_out(names)
+        ranks = metrics.ranks
+        with self.figure.batch_update():
+            for axis, name in enumerate(names):
+                first = self._traces_of(name, axis)
+                series = band(metrics, name, ranks, budget=BAND_POINTS)
+                traces = self.figure.data
+                xs = _array(series.steps)
+                for offset, ys in ((_BAND_LOW, series.low), (_BAND_HIGH, series.high), (_MEDIAN, series.median)):
+                    traces[first + offset].x, traces[first + offset].y = xs, _array(ys)
+                outliers = outlier_ranks(metrics, name, limit=OUTLIERS)
+                for slot in range(OUTLIERS):
+                    trace = traces[first + 3 + slot]
+                    if slot < len(outliers):
+                        steps, values = metrics.view(name, outliers[slot].rank)
+                        stride = max(1, math.ceil(len(steps) / BAND_POINTS))
+                        trace.x, trace.y = _array(list(steps[::stride])), _array(list(values[::stride]))
+                        label = f"rank {outliers[slot].rank}"
+                        if trace.name != label:
+                            trace.name, trace.visible = label, True
+                    elif trace.visible:
+                        trace.x, trace.y, trace.visible = [], [], False
+
+    def _traces_of(self, name: str, axis: int) -> int:
+        """The index of `name`'s first trace, adding its traces on first use."""
+        first = self._metric_traces.get(name)
+        if first is not None:
+            return first
+        first = self._metric_traces[name] = len(self.figure.data)
+        suffix = "" if axis == 0 else str(axis + 1)
+        where = {"xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
+        escaped = html.escape(name)
+        shown = axis == 0  # one legend for all metrics
+        band_line = {"width": 0, "color": "rgba(31,119,180,0.25)"}
+        self.figure.add_scatter(x=[], y=[], name="10th percentile", line=band_line, showlegend=False, **where)
+        self.figure.add_scatter(
+            x=[],
+            y=[],
+            name="10th-90th percentile",
+            line=band_line,
+            fill="tonexty",
+            fillcolor="rgba(31,119,180,0.2)",
+            showlegend=shown,
+            legendgroup="band",
+            **where,
+        )
+        self.figure.add_scatter(
+            x=[],
+            y=[],
+            name="median",
+            line={"color": STATE_COLORS["running"], "width": 2},
+            showlegend=shown,
+            legendgroup="median",
+            hovertemplate=f"{escaped} median: %{{y:.4g}}<extra></extra>",
+            **where,
+        )
+        for _ in range(OUTLIERS):
+            self.figure.add_scatter(
+                x=[],
+                y=[],
+                visible=False,
+                line={"color": STATE_COLORS["failed"], "width": 1},
+                hovertemplate=f"{escaped}: %{{y:.4g}}<extra>%{{fullData.name}}</extra>",
+                **where,
+            )
+        return first
+
+    def _lay_out(self, names: Any) -> None:
+        layout = axes_layout(names)
+        for key in [key for key in layout if key.startswith(("xaxis", "yaxis")) and key not in self._axes]:
+            self._axes.add(key)
+            self.figure.layout[key] = layout.pop(key)
+        self.figure.update_layout(hovermode="x unified", **layout)
+
+    def _smoothing_changed(self, _: Any) -> None:
+        pass  # the median is drawn as it is: no smoothing slider in a large world's view
+
+    # ------------------------------------------------------------ heat map
+
+    def _draw_heat(self, feed: Feed) -> None:
+        assert feed.heat is not None
+        matrix = feed.heat.matrix(columns=HEAT_COLUMNS, rows=HEAT_ROWS, ranks=sorted(feed.ranks))
+        if not matrix.labels or len(matrix.edges) < 2:
+            return
+        if not self.heat.children:
+            self.heat.children = (self.heat_figure,)
+            self.heat_figure.add_heatmap(
+                z=[], x=[], y=[], colorscale="YlOrRd", colorbar={"title": {"text": "s/step"}}, hoverongaps=False
+            )
+        centers = [(low + high) / 2 for low, high in zip(matrix.edges, matrix.edges[1:])]
+        z = [[math.nan if value is None else value for value in row] for row in matrix.values]
+        trace = self.heat_figure.data[0]
+        with self.heat_figure.batch_update():
+            trace.x, trace.y = _array([round(c, 2) for c in centers]), matrix.labels
+            trace.z = _float32_rows(z)
+            trace.hovertemplate = "ranks %{y}, %{x:.1f} s: %{z:.3g} s/step<extra></extra>"
+
+    # ------------------------------------------------------------ tables
+
+    def _draw_panels(self, feed: Feed, final: bool) -> None:
+        self.status.value = large_status(feed)
+        straggler = feed.straggler
+        _show_panel(self.steps, html.escape(straggler.headline()) if straggler is not None else "")
+        _show_panel(self.xray, "" if final else grouped_xray(feed))
+
+
+def large_status(feed: Feed) -> str:
+    """The ranks' states counted, the slowest by step rate, each metric's outliers: a few lines."""
+    states = Counter(state.state for state in feed.ranks.values())
+    counted = ", ".join(
+        f'<span style="color:{STATE_COLORS.get(name, "inherit")}">{count:,} {name}</span>'
+        for name, count in sorted(states.items(), key=lambda item: -item[1])
+    )
+    failed = sorted(rank for rank, state in feed.ranks.items() if state.state == "failed")
+    if failed:
+        counted += f" (failed: {rank_ranges(failed, RUNS_SHOWN)})"
+    lines = [f"<b>{count_ranks(len(feed.ranks))}</b>: {counted}"]
+    timed = [state for state in feed.ranks.values() if state.rate is not None and state.state == "running"]
+    if timed:
+        slowest = sorted(timed, key=lambda state: (state.rate, state.rank))[:SLOWEST]
+        rates = sorted(state.rate or 0.0 for state in timed)
+        median = rates[len(rates) // 2]
+        named = ", ".join(f"rank {state.rank} ({format_rate(state.rate, 'step')})" for state in slowest)
+        lines.append(f"slowest: {named}; median {format_rate(median, 'step')}")
+    for name in feed.metrics.names:
+        outliers = outlier_ranks(feed.metrics, name, limit=OUTLIERS)
+        if outliers:
+            lines.append("outliers: " + "; ".join(html.escape(outlier.describe()) for outlier in outliers))
+    return '<div class="ddp-status" style="font-family:monospace;font-size:12px">' + "<br>".join(lines) + "</div>"
+
+
+def grouped_xray(feed: Feed) -> str:
+    """The collective X-ray grouped by where the ranks are: `ranks 0-1022 (1,023 ranks): waits in
+    all_reduce #412 (cell line 7) for 4.9-5.1 s`; '' while no rank waited long in one."""
+    waiting = feed.waiting
+    if not waiting:
+        return ""
+    seconds: dict[str, list[float]] = {}
+    places = []
+    for rank, reading in waiting.items():
+        place = where_rank_is(reading).rsplit(" for ", 1)[0] if reading.current is not None else where_rank_is(reading)
+        if reading.current is not None:
+            seconds.setdefault(place, []).append(reading.waited)
+        places.append((rank, place))
+    lines = []
+    for line in grouped_lines(places, group_above=0):
+        _, _, place = line.partition(": ")
+        waited = seconds.get(place)
+        lines.append(html.escape(line + (f" for {min(waited):.1f}-{max(waited):.1f} s" if waited else "")))
+    return "<div><b>waiting in a collective</b> (collective X-ray)</div>" + "<br>".join(
+        f'<code style="color:{STATE_COLORS["failed"]}">{line}</code>' for line in lines
+    )
+
+
+def _float32_rows(rows: list[list[float]]) -> Any:
+    # half the bytes of float64 on the wire (a heat map is redrawn whole)
+    try:
+        import numpy
+    except ImportError:
+        return [[None if not math.isfinite(v) else v for v in row] for row in rows]
+    return numpy.asarray(rows, dtype=numpy.float32)

@@ -1,0 +1,126 @@
+"""A JupyterLab server of our own on 127.0.0.1 and the chromium that drives it (Playwright): for the
+browser tests and the browser benchmark. Stopped by its PID, with every process it started."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import wait_gone
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SERVER_START_SECONDS = 60.0
+
+
+def missing_requirement() -> str | None:
+    if not CHROMIUM.exists():
+        return f"no chromium at {CHROMIUM} (apt-get install chromium; .ci/install does)"
+    for module, package in (("jupyterlab", "jupyterlab"), ("playwright", "playwright")):
+        if importlib.util.find_spec(module) is None:
+            return f"{package} is not installed (pip install -e '.[test]')"
+    return None
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def jupyterlab(base: Path) -> Iterator[Lab]:
+    """A JupyterLab server whose root is `base`/root, its settings and runtime files under `base`."""
+    root = base / "root"
+    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    root.mkdir()
+    # no news and no update checks: nothing leaves the machine, no toast over the screenshots
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    port, token = free_port(), secrets.token_hex(16)
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(base / "config"),
+        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
+    }
+    log = (base / "server.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.allow_root=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    started: set[int] = {server.pid}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not start: {(base / 'server.log').read_text()[-2000:]}"
+                    ) from None
+                time.sleep(0.2)
+        yield Lab(url, token, root)
+    finally:
+        # the kernel and the world's ranks are the server's descendants: ours to clean up
+        try:
+            started.update(child.pid for child in psutil.Process(server.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+        for pid in wait_gone(sorted(started), 15):
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+        assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"

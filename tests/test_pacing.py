@@ -1,0 +1,32 @@
+"""What a large world paces to keep the kernel and the controller under a core: the controller's
+heartbeat, each rank's live-view batches, the running cell's collective X-ray. Small worlds keep
+the pace they always had."""
+
+from __future__ import annotations
+
+from ddp_notebook.cell.relay import COLLECTIVES_CHECK_SECONDS, collectives_check_seconds
+from ddp_notebook.wire.channel import FLUSH_SECONDS, MESSAGES_PER_SECOND, flush_seconds
+from ddp_notebook.world.provisioning.controlled import HEARTBEAT_LIMIT_MS, HEARTBEAT_PERIOD_MS, heartbeat_period_ms
+
+
+def test_the_controllers_heartbeat_slows_with_the_rank_count_and_keeps_its_limit() -> None:
+    assert heartbeat_period_ms(None) == heartbeat_period_ms(2) == heartbeat_period_ms(64) == HEARTBEAT_PERIOD_MS
+    assert heartbeat_period_ms(1024) == 1600
+    # beats a second, all ranks together, stay under 1,000 from 64 ranks up
+    for ranks in (64, 128, 512, 1024, 4096):
+        assert ranks * 1000 / heartbeat_period_ms(ranks) <= 640
+    assert HEARTBEAT_LIMIT_MS // heartbeat_period_ms(1024) * heartbeat_period_ms(1024) >= 9_000
+
+
+def test_each_rank_publishes_less_often_in_a_large_world() -> None:
+    assert flush_seconds(2) == flush_seconds(100) == FLUSH_SECONDS
+    assert flush_seconds(1024) == 1.024
+    for ranks in (128, 512, 1024):
+        assert ranks / flush_seconds(ranks) <= MESSAGES_PER_SECOND
+
+
+def test_the_running_cells_xray_is_read_less_often_in_a_large_world() -> None:
+    assert collectives_check_seconds(4) == collectives_check_seconds(32) == COLLECTIVES_CHECK_SECONDS
+    assert collectives_check_seconds(1024) == 8.0
+    for ranks in (64, 256, 1024):
+        assert ranks / collectives_check_seconds(ranks) <= 32 / COLLECTIVES_CHECK_SECONDS  # rank readings a second
