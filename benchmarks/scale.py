@@ -11,7 +11,8 @@ measures is the control plane: the collectives of a real world add their own cos
 For each size, in a fresh Jupyter kernel driven as a notebook front end drives it:
 - start: `DDPCluster(n, simulated=True).start()`, in the kernel;
 - round trip: a trivial `%%ddp` cell (`x = 1`), from the execute request to the kernel going idle
-  (the median of 5, after one untimed);
+  (the median of 5, after one untimed), and the CPU seconds per such cell of the kernel, the
+  controller and all the ranks together (where the time goes);
 - streaming: a cell in which every rank logs a loss at 10 Hz and prints a line a second for
   `--seconds`: the kernel's and the controller's CPU (cores' worth over the cell) and resident
   memory, bytes per second into the kernel (TCP, every socket of the kernel process: what
@@ -127,11 +128,17 @@ def measure(n: int, seconds: float) -> dict[str, Any]:
         row["ranks_that_fit"] = int(psutil.virtual_memory().available / statistics.mean(uss)) + n
 
         run_cell(kernel, "%%ddp\nx = 1", 60)
+        ranks = [psutil.Process(pid) for pid in facts["rank_pids"]]
+        spent = (cpu_seconds(kernel_process), cpu_seconds(controller), sum(cpu_seconds(r) for r in ranks))
         trips = []
         for _ in range(ROUND_TRIPS):
             cell = run_cell(kernel, "%%ddp\nx = 1", 60)
             trips.append(cell.elapsed)
         row["round_trip_s"] = statistics.median(trips)
+        # where a trivial cell's time goes: CPU seconds per cell of the kernel, the controller, the ranks
+        after = (cpu_seconds(kernel_process), cpu_seconds(controller), sum(cpu_seconds(r) for r in ranks))
+        for key, before, now in zip(("cell_cpu_kernel_s", "cell_cpu_controller_s", "cell_cpu_ranks_s"), spent, after):
+            row[key] = (now - before) / ROUND_TRIPS
 
         # the first live view of a notebook loads plotly.js into the page (5 MB, once): not per cell
         run_cell(kernel, STREAM.format(steps=1, limit=60), 120)
@@ -165,6 +172,9 @@ COLUMNS = (
     ("ranks", "ranks"),
     ("start_s", "start s"),
     ("round_trip_s", "round trip s"),
+    ("cell_cpu_kernel_s", "cell CPU: kernel s"),
+    ("cell_cpu_controller_s", "ctrl s"),
+    ("cell_cpu_ranks_s", "ranks s"),
     ("dead_rank_named_s", "dead named s"),
     ("kernel_cores", "kernel cores"),
     ("kernel_mib", "kernel MiB"),
@@ -184,7 +194,7 @@ def browser_frames(n: int, seconds: float) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS, jupyterlab, missing_requirement
+    from tests.jupyterlab_server import jupyterlab, launch_chromium, missing_requirement, run_all_cells
     from tests.test_browser import FRAMES_JS, LARGE_JS
 
     reason = missing_requirement()
@@ -196,20 +206,16 @@ def browser_frames(n: int, seconds: float) -> dict[str, Any]:
         "world.start()\nworld.activate()",
         STREAM.format(steps=1, limit=60),
         STREAM.format(steps=int(seconds * 10), limit=seconds * 10 + 60),
-        'world.stop()\nprint("the large world stopped")',
+        'world.stop()\nprint("the large world", "stopped")',
     ]
     with tempfile.TemporaryDirectory(prefix="scale-browser-") as base, jupyterlab(Path(base)) as lab:
         nbformat.write(new_notebook(cells=[new_code_cell(c) for c in cells]), lab.root / "scale.ipynb")
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch_persistent_context(
-                str(Path(base) / "chromium"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-            )
+            browser = launch_chromium(playwright, Path(base) / "chromium")
             try:
                 page = browser.new_page()
                 page.goto(f"{lab.url}/lab/tree/scale.ipynb?token={lab.token}")
-                page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
-                page.get_by_role("menuitem", name="Run", exact=True).click()
-                page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+                run_all_cells(page)
                 deadline, timing = time.monotonic() + 600 + 2 * n, False
                 while time.monotonic() < deadline:
                     sample = page.evaluate(LARGE_JS)
@@ -247,13 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
     print("== SIMULATED ranks (torch's fake process group): the control plane's cost, not a real world's")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    status = 0
     for n in sizes:
         began = time.monotonic()
-        rows.append(measure(n, args.seconds))
+        try:
+            rows.append(measure(n, args.seconds))
+        except RuntimeError as failure:  # said in the table, and the other sizes still measured
+            rows.append({"ranks": n, "error": str(failure).strip().splitlines()[-1][:300]})
+            status = 1
         print(f"   {n} ranks measured in {time.monotonic() - began:.0f} s", flush=True)
     print()
     print_table([title for _, title in COLUMNS], [[row.get(key) for key, _ in COLUMNS] for row in rows])
+    for row in rows:
+        if "error" in row:
+            print(f"{row['ranks']} ranks: {row['error']}")
     frames = None
     if args.browser:
         frames = browser_frames(args.browser, args.seconds)
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     payload = {"command": " ".join([sys.executable, *sys.argv]), "machine": info, "rows": rows, "browser": frames}
     write_json(args.json, payload)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

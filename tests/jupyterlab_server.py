@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,6 +33,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 SERVER_START_SECONDS = 60.0
+VIEWPORT = {"width": 1200, "height": 1300}
 
 
 def missing_requirement() -> str | None:
@@ -124,3 +126,17 @@ def jupyterlab(base: Path) -> Iterator[Lab]:
             os.kill(pid, signal.SIGKILL)
         log.close()
         assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"
+
+
+def launch_chromium(playwright: Any, profile: Path) -> Any:
+    """Debian's chromium, headless, with a fresh user-data-dir `profile` (no cookie, no history)."""
+    return playwright.chromium.launch_persistent_context(
+        str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS, viewport=VIEWPORT
+    )
+
+
+def run_all_cells(page: Any) -> None:
+    """Once the notebook's kernel is idle, JupyterLab's Run > Run All Cells."""
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()

@@ -612,7 +612,8 @@ def test_live_view_through_the_hub_in_jupyterlab_and_notebook7(hub: Hub, tmp_pat
     import contextlib
     import importlib.util
 
-    from tests.test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, missing_requirement
+    from tests.jupyterlab_server import launch_chromium, missing_requirement
+    from tests.test_browser import ARTIFACTS
 
     reason = missing_requirement()
     if reason is None and importlib.util.find_spec("notebook") is None:
@@ -640,13 +641,7 @@ def test_live_view_through_the_hub_in_jupyterlab_and_notebook7(hub: Hub, tmp_pat
     hub.start_server(name)
     try:
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch_persistent_context(
-                str(tmp_path / "chromium-profile"),  # a fresh user-data-dir: no cookie of the hub yet
-                executable_path=str(CHROMIUM),
-                headless=True,
-                args=CHROMIUM_ARGS,
-                viewport={"width": 1200, "height": 1300},
-            )
+            browser = launch_chromium(playwright, tmp_path / "chromium-profile")  # no cookie of the hub yet
             try:
                 page = browser.new_page()
                 page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)

@@ -30,3 +30,15 @@ def test_the_running_cells_xray_is_read_less_often_in_a_large_world() -> None:
     assert collectives_check_seconds(1024) == 8.0
     for ranks in (64, 256, 1024):
         assert ranks / collectives_check_seconds(ranks) <= 32 / COLLECTIVES_CHECK_SECONDS  # rank readings a second
+
+
+def test_the_controller_waits_for_a_registered_ranks_first_heartbeat_as_long_as_the_start_may_take() -> None:
+    """ipyparallel drops a registered engine whose first heartbeat it has not heard within its
+    registration timeout (30 s), without telling the engine: on a loaded machine a starved rank was
+    left waiting as a rank of no world ("only 126 of 128 ranks registered")."""
+    from ddp_notebook.world.config import DEFAULT_START_TIMEOUT
+    from ddp_notebook.world.provisioning.controlled import REGISTRATION_SECONDS, registration_seconds
+
+    assert registration_seconds(DEFAULT_START_TIMEOUT) == 90
+    assert registration_seconds(300.5) == 301
+    assert registration_seconds(5) == REGISTRATION_SECONDS == 30

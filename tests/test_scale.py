@@ -11,15 +11,17 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_gone
+from tests.conftest import documented_magic_lines, wait_gone
 from tests.test_kernel import Kernel, kernel_world_pids
 
 pytestmark = pytest.mark.integration
 
 SIZE = 64
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "large_worlds.md"
 START = f"""
 import ddp_notebook
 world = ddp_notebook.DDPCluster({SIZE}, simulated=True, start_timeout=300)
@@ -128,3 +130,8 @@ def test_a_dead_rank_of_a_large_world_is_named_and_replaced(large: Kernel) -> No
     out, error = large.run("%%ddp --show all\nprint(rank, world_size)")
     assert error is None, out
     assert "[rank 40] 40 64" in out and "[rank 63] 63 64" in out
+
+
+def test_the_documented_magic_lines_are_the_ones_run_here() -> None:
+    """docs/large_worlds.md's magic lines, as written there, are the lines the tests above run."""
+    assert documented_magic_lines(DOCS) == ["%ddp_output 17", "%%ddp --show 5,40-41", "%ddp_status"]

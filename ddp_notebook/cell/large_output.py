@@ -179,3 +179,23 @@ def grouped_lines(described: Iterable[tuple[int, str]], group_above: int = GROUP
         else f"ranks {rank_ranges(ranks, RUNS_SHOWN)} ({count_ranks(len(ranks))}): {what}"
         for what, ranks in groups.items()
     ]
+
+
+def grouped_waits(places: Iterable[tuple[int, str, float | None]], waited: str = " for {}") -> list[str]:
+    """`grouped_lines` of (rank, where it is, the seconds it waited there or None): the ranks in the
+    same place share a line, ended by how long they waited there, written into `waited`
+    (" for 4.0-4.6 s")."""
+    seconds: dict[str, list[float]] = {}
+    described = []
+    for rank, place, wait in places:
+        if wait is not None:
+            seconds.setdefault(place, []).append(wait)
+        described.append((rank, place))
+    ranges = {place: waited.format(seconds_range(values)) for place, values in seconds.items()}
+    return grouped_lines((rank, place + ranges.get(place, "")) for rank, place in described)
+
+
+def seconds_range(seconds: list[float]) -> str:
+    """ "4.0 s", or "4.0-4.6 s" where they differ at a tenth."""
+    low, high = f"{min(seconds):.1f}", f"{max(seconds):.1f}"
+    return f"{low} s" if low == high else f"{low}-{high} s"

@@ -319,6 +319,8 @@ class CellRelay:
         (`supervisor.release`), so the blocked ones fail within a second too.
         """
         clock = _WaitClock(time.monotonic(), timeout)
+        # a reading asks every rank: a large world's first comes later too (a short cell needs none)
+        clock.next_collectives_check = clock.began + collectives_check_seconds(len(self._ranks))
         assembler = LineAssembler()
         while True:
             try:

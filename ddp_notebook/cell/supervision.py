@@ -22,7 +22,7 @@ from ..wire.results import Death, MemoryReading, RankInfo
 from ..world.controller import ControllerLink
 from ..world.provisioning import Provisioner
 from . import debugging, xray
-from .large_output import grouped_lines
+from .large_output import grouped_waits
 
 log = logging.getLogger("ddp_notebook")
 # how long ranks get to let go of their process group (models move to a placeholder group first)
@@ -100,11 +100,6 @@ class MemoryWatch:
             else:
                 text += f"; the largest rank is rank {rank} ({size})"
         return text + "; at 100% the out-of-memory killer ends the largest process"
-
-
-def _seconds_range(seconds: list[float]) -> str:
-    low, high = min(seconds), max(seconds)
-    return f" for {low:.1f} s" if f"{low:.1f}" == f"{high:.1f}" else f" for {low:.1f}-{high:.1f} s"
 
 
 def _remote_death(host: str, how: str) -> Death:
@@ -190,8 +185,7 @@ class WorldSupervisor:
         local = {rank: info.pid for rank, info in infos.items() if info.host == here}
         dumps = stacks.request_stacks(local, reach.directory) if local else {}
         readings = xray.read_ranks(reach, infos)
-        places: list[tuple[int, str]] = []
-        waits: dict[str, list[float]] = {}
+        places: list[tuple[int, str, float | None]] = []
         for rank, info in infos.items():
             if rank in local:
                 frames = stacks.main_thread_frames(dumps.get(rank, ""), info.main_thread or 0)
@@ -201,17 +195,15 @@ class WorldSupervisor:
             current = reading.current if reading is not None else None
             place = stacks.describe_stuck_rank(frames, current is not None)
             if reading is not None and current is not None:
-                place += f"; {current.describe()}"
-                waits.setdefault(place, []).append(reading.waited)
-            places.append((rank, place))
+                places.append((rank, f"{place}; {current.describe()}", reading.waited))
+            else:
+                places.append((rank, place, None))
         if len(places) <= GROUP_ABOVE:  # a line per rank, each with its own wait
-            waited = {rank: readings[rank].waited for rank, place in places if place in waits}
             return "\n".join(
-                f"rank {rank}: {place}" + (f" for {waited[rank]:.1f} s" if rank in waited else "")
-                for rank, place in sorted(places)
+                f"rank {rank}: {place}" + (f" for {waited:.1f} s" if waited is not None else "")
+                for rank, place, waited in sorted(places)
             )
-        for_how_long = {place: _seconds_range(seconds) for place, seconds in waits.items()}
-        return "\n".join(grouped_lines((rank, place + for_how_long.get(place, "")) for rank, place in places))
+        return "\n".join(grouped_waits(places))
 
     def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:
         """The collective X-ray of `ranks` (answered while they are blocked); light unless `full`

@@ -30,7 +30,7 @@ from ..live.stragglers import StepTimes, find_straggler
 from ..wire import xray as xray_wire
 from ..wire import xray_messages as messages
 from ..wire.results import RankInfo
-from .large_output import grouped_lines
+from .large_output import grouped_waits
 
 # how long one rank may take to answer (it answers from a thread of its own, in microseconds)
 ANSWER_SECONDS = 1.0
@@ -363,18 +363,11 @@ def describe_world(readings: Mapping[int, RankCollectives]) -> str:
 def _grouped_world(readings: Mapping[int, RankCollectives]) -> list[str]:
     """A large world's X-ray: one line per place (collective, sequence number, cell line) with its
     ranks, each place's wait as a range; then the straggler, if any."""
-    waits: dict[str, list[float]] = {}
-    places = []
-    for rank, reading in readings.items():
-        place = reading.describe(waited=False)
-        if reading.current is not None:
-            waits.setdefault(place, []).append(reading.waited)
-        places.append((rank, place))
-    lines = []
-    for line in grouped_lines(places, group_above=0):
-        _, _, place = line.partition(": ")
-        seconds = waits.get(place)
-        lines.append(line + (f" (waiting {min(seconds):.1f}-{max(seconds):.1f} s)" if seconds else ""))
+    places = [
+        (rank, reading.describe(waited=False), reading.waited if reading.current is not None else None)
+        for rank, reading in readings.items()
+    ]
+    lines = grouped_waits(places, waited=" (waiting {})")
     straggler = find_straggler({rank: r.steps for rank, r in readings.items() if r.steps is not None})
     if straggler is not None:
         lines.append(straggler.describe())

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..cell.large_output import grouped_lines
+from ..cell.large_output import grouped_waits
 from ..errors import RUNS_SHOWN, count_ranks, rank_ranges
 from .aggregate import band, outlier_ranks, summarize_progress, wants_aggregate
 from .feed import Feed, View
@@ -49,6 +49,7 @@ OUTLIERS = 3
 # the heat map's size: time bins by bands of ranks
 HEAT_COLUMNS = 40
 HEAT_ROWS = 32
+HEAT_TICKS = 12  # rank labels on the heat map's axis, at most
 SLOWEST = 3
 # a metric's traces: the band's lower and upper edges, the median, then the outlier ranks
 _BAND_LOW, _BAND_HIGH, _MEDIAN = 0, 1, 2
@@ -79,7 +80,7 @@ class LargeWorldView(LiveView):
                 "template": "plotly_white",
                 "title": {"text": "seconds per step (each band of ranks: its slowest)", "font": {"size": 12}},
                 "xaxis": {"title": {"text": "seconds into the cell"}},
-                "yaxis": {"title": {"text": "ranks"}, "type": "category", "autorange": "reversed"},
+                "yaxis": {"title": {"text": "ranks"}, "autorange": "reversed"},
             }
         )
         self.heat = widgets.VBox()  # empty until a rank logged a step
@@ -89,6 +90,7 @@ class LargeWorldView(LiveView):
         self._levels: dict[int, tuple[Any, Any]] = {}
         self._metric_traces: dict[str, int] = {}  # metric -> index of its first trace
         self._heat_drawn = -math.inf
+        self._heat_shape: tuple[Any, ...] = ()
 
     def draw(self, feed: Feed, final: bool) -> None:
         super().draw(feed, final)
@@ -228,12 +230,21 @@ class LargeWorldView(LiveView):
                 z=[], x=[], y=[], colorscale="YlOrRd", colorbar={"title": {"text": "s/step"}}, hoverongaps=False
             )
         centers = [(low + high) / 2 for low, high in zip(matrix.edges, matrix.edges[1:])]
-        z = [[math.nan if value is None else value for value in row] for row in matrix.values]
+        # JSON rows with gaps as null (a 2-D binary array does not reach plotly.js as a heat map), in
+        # 4 significant digits: 32 x 40 cells are a few KB
+        z = [[None if value is None else float(f"{value:.4g}") for value in row] for row in matrix.values]
         trace = self.heat_figure.data[0]
+        rows = list(range(len(matrix.labels)))
         with self.heat_figure.batch_update():
-            trace.x, trace.y = _array([round(c, 2) for c in centers]), matrix.labels
-            trace.z = _float32_rows(z)
-            trace.hovertemplate = "ranks %{y}, %{x:.1f} s: %{z:.3g} s/step<extra></extra>"
+            # rows by number, named by their ranks on the axis: labels such as "0-1" would be read as dates
+            trace.x, trace.y, trace.z = [round(c, 2) for c in centers], rows, z
+            shape = (tuple(matrix.labels), len(centers))
+            if shape != self._heat_shape:  # the hover's rank labels and the axis' ticks, sent when they change
+                self._heat_shape = shape
+                trace.text = [[label] * len(centers) for label in matrix.labels]
+                trace.hovertemplate = "ranks %{text}, %{x:.1f} s: %{z:.3g} s/step<extra></extra>"
+                every = max(1, math.ceil(len(rows) / HEAT_TICKS))
+                self.heat_figure.layout.yaxis.update(tickvals=rows[::every], ticktext=matrix.labels[::every])
 
     # ------------------------------------------------------------ tables
 
@@ -275,27 +286,13 @@ def grouped_xray(feed: Feed) -> str:
     waiting = feed.waiting
     if not waiting:
         return ""
-    seconds: dict[str, list[float]] = {}
-    places = []
-    for rank, reading in waiting.items():
-        place = where_rank_is(reading).rsplit(" for ", 1)[0] if reading.current is not None else where_rank_is(reading)
-        if reading.current is not None:
-            seconds.setdefault(place, []).append(reading.waited)
-        places.append((rank, place))
-    lines = []
-    for line in grouped_lines(places, group_above=0):
-        _, _, place = line.partition(": ")
-        waited = seconds.get(place)
-        lines.append(html.escape(line + (f" for {min(waited):.1f}-{max(waited):.1f} s" if waited else "")))
+    places = [
+        (rank, where_rank_is(reading).rsplit(" for ", 1)[0], reading.waited)
+        if reading.current is not None
+        else (rank, where_rank_is(reading), None)
+        for rank, reading in waiting.items()
+    ]
+    lines = [html.escape(line) for line in grouped_waits(places)]
     return "<div><b>waiting in a collective</b> (collective X-ray)</div>" + "<br>".join(
         f'<code style="color:{STATE_COLORS["failed"]}">{line}</code>' for line in lines
     )
-
-
-def _float32_rows(rows: list[list[float]]) -> Any:
-    # half the bytes of float64 on the wire (a heat map is redrawn whole)
-    try:
-        import numpy
-    except ImportError:
-        return [[None if not math.isfinite(v) else v for v in row] for row in rows]
-    return numpy.asarray(rows, dtype=numpy.float32)

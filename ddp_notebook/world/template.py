@@ -65,6 +65,7 @@ class TemplateClient:
         self._request_lock = threading.Lock()  # one request and its reply at a time
         self._exit_lock = threading.Condition()  # the exit record and its callbacks; notified on each exit
         self.exits: dict[int, int] = {}
+        self.forked: set[int] = set()  # every process it forked for us: it reports how each one ends
         self._on_exit: dict[int, Callable[[int], None]] = {}
 
     @property
@@ -137,7 +138,9 @@ class TemplateClient:
                 raise RuntimeError(f"the rank template did not answer within {REPLY_SECONDS:g} s") from None
         if reply.get("reply") != "fork":
             raise RuntimeError(f"the rank template refused: {reply.get('error')}")
-        return int(reply["pid"])
+        pid = int(reply["pid"])
+        self.forked.add(pid)
+        return pid
 
     def exit_code(self, pid: int, wait: float = 0.0) -> int | None:
         """How `pid` ended, waiting up to `wait` seconds for the template's report; None if not reported."""

@@ -4,6 +4,7 @@ its controller, the exit codes of its engine sets, and ending all of it."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -24,6 +25,13 @@ HEARTBEAT_LIMIT_MS = 10_000
 # ... up to this many ranks; the controller answers every rank's beat in Python, so a larger world
 # beats slower, in proportion (1,024 ranks: every 1.6 s), the limit staying 10 s
 HEARTBEAT_RANKS = 64
+# ipyparallel's own wait for a registered engine's first heartbeat (its default)
+REGISTRATION_SECONDS = 30
+
+
+def registration_seconds(start_timeout: float) -> int:
+    """How long the controller waits for a registered engine's first heartbeat: the world's start limit."""
+    return max(REGISTRATION_SECONDS, math.ceil(start_timeout))
 
 
 def heartbeat_period_ms(n_ranks: int | None) -> int:
@@ -64,6 +72,11 @@ class ControlledProvisioner(Provisioner):
                 # template (torch imported) took 40 ms to fork each; the message queues are
                 # zmq devices either way, running without the GIL
                 "--IPController.use_threads=True",
+                # a registered engine the controller does not hear a heartbeat from within this long is
+                # dropped without a word to it (it then waits forever as a rank of no world): 30 s by
+                # default, less than a starved rank may take on a loaded machine (2 cores, 128 ranks
+                # starting, or a browser drawing), so as long as the world's start may take
+                f"--IPController.registration_timeout={registration_seconds(self.config.start_timeout)}",
                 *(["--IPController.enable_curve=True"] if self.config.curve else []),
             ],
             # ipyparallel logs every engine's log file when it exits non-zero; our own
