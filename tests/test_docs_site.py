@@ -23,7 +23,7 @@ import nbformat
 import pytest
 
 from tests.conftest import ExecutedNotebooks
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS
+from tests.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = [pytest.mark.notebook, pytest.mark.browser, pytest.mark.timeout(1800)]
 
