@@ -189,12 +189,17 @@ COLUMNS = (
 
 def browser_frames(n: int, seconds: float) -> dict[str, Any]:
     """Frame gaps of JupyterLab's page while `n` simulated ranks stream into the live view."""
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_notebook
     from playwright.sync_api import sync_playwright
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.jupyterlab_server import jupyterlab, launch_chromium, missing_requirement, run_all_cells
+    from tests.jupyterlab_server import (
+        jupyterlab,
+        launch_chromium,
+        missing_requirement,
+        notebook_text,
+        run_all_cells,
+        watch_page,
+    )
     from tests.test_browser import FRAMES_JS, LARGE_JS
 
     reason = missing_requirement()
@@ -209,26 +214,23 @@ def browser_frames(n: int, seconds: float) -> dict[str, Any]:
         'world.stop()\nprint("the large world", "stopped")',
     ]
     with tempfile.TemporaryDirectory(prefix="scale-browser-") as base, jupyterlab(Path(base)) as lab:
-        nbformat.write(new_notebook(cells=[new_code_cell(c) for c in cells]), lab.root / "scale.ipynb")
+        (lab.root / "scale.ipynb").write_text(notebook_text(cells))
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright, Path(base) / "chromium")
             try:
                 page = browser.new_page()
                 page.goto(f"{lab.url}/lab/tree/scale.ipynb?token={lab.token}")
                 run_all_cells(page)
-                deadline, timing = time.monotonic() + 600 + 2 * n, False
-                while time.monotonic() < deadline:
-                    sample = page.evaluate(LARGE_JS)
-                    if sample["errors"]:
-                        raise RuntimeError(f"the notebook failed: {sample['errors']}")
-                    if sample["shown"] and not timing and "step" in sample["text"]:
+                timing: list[bool] = []
+
+                def time_frames(sample: dict[str, Any]) -> None:
+                    if sample["shown"] and not timing and "step" in sample["text"]:  # the measured cell streams
                         page.evaluate(FRAMES_JS)
-                        timing = True
-                    if "the large world stopped" in sample["text"]:
-                        break
-                    page.wait_for_timeout(250)
-                else:
-                    raise RuntimeError("the notebook did not finish in time")
+                        timing.append(True)
+
+                sample = watch_page(page, LARGE_JS, "the large world stopped", 600 + 2 * n, 250, None, time_frames)[-1]
+                if sample["errors"]:
+                    raise RuntimeError(f"the notebook failed: {sample['errors']}")
             finally:
                 browser.close()
     gaps = sorted(sample["gaps"])

@@ -63,7 +63,7 @@ import requests
 
 from tests import memory_cgroup
 from tests.conftest import CellOutput
-from tests.run_records import RunRecord, locked, reap_stale_runs, start_time, stop_pids
+from tests.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_DOC = ROOT / "docs" / "jupyterhub.md"
@@ -604,14 +604,13 @@ def running_hub() -> Iterator[Hub]:
         if process is not None:
             _stop_hub(process)
         # the worlds of servers stopped with the hub exit by themselves within seconds
-        deadline = time.monotonic() + 20.0
-        while True:
-            leftover = {
+        leftover = left_after(
+            lambda: {
                 pid: _describe(pid) for pid in processes_of(_uids(record.users), record.namespace, record.started)
-            }
-            if not leftover or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+            },
+            20.0,
+            0.2,
+        )
         problems = _remove(record)
         if not problems:
             record.path.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,3 +140,43 @@ def run_all_cells(page: Any) -> None:
     page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=60_000)
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+
+def watch_page(
+    page: Any,
+    script: str,
+    until: str,
+    seconds: float,
+    pause_ms: int,
+    picture: Path | None = None,
+    on_sample: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every sample of `script` (a function returning the page's "text" and "errors", among others),
+    taken every `pause_ms` until the text holds `until` or an error shows. Past `seconds`: a picture
+    of the page to `picture`, and TimeoutError with the last sample."""
+    samples: list[dict[str, Any]] = []
+    deadline = time.monotonic() + seconds
+    while True:
+        sample = page.evaluate(script)
+        samples.append(sample)
+        if on_sample is not None:
+            on_sample(sample)
+        if until in sample["text"] or sample["errors"]:
+            return samples
+        if time.monotonic() > deadline:
+            if picture is not None:
+                page.screenshot(path=picture, full_page=True)
+            raise TimeoutError(f"the notebook did not finish in {seconds:g} s; last page state: {sample}")
+        page.wait_for_timeout(pause_ms)
+
+
+def notebook_text(cells: Sequence[str]) -> str:
+    """A notebook of these code cells for the default Python kernel, as a file holds it (without a
+    kernelspec, JupyterLab asks which kernel to start and the notebook never runs)."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    kernelspec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    return str(
+        nbformat.writes(new_notebook(cells=[new_code_cell(c) for c in cells], metadata={"kernelspec": kernelspec}))
+    )

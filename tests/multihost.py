@@ -109,7 +109,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.run_records import RunRecord, locked, reap_stale_runs, start_time, stop_pids
+from tests.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
 
 SUBNET_BASE = "10.231"  # hosts get 10.231.X.11, .12, ...; the bridge 10.231.X.1
 STATE_DIR = Path(tempfile.gettempdir()) / "ddp-multihost"
@@ -320,12 +320,7 @@ def network_namespaces(n: int = 2) -> Iterator[Network]:
         raise
     finally:
         # what the test started there (sessions of an sshd, engines) may still be exiting
-        deadline = time.monotonic() + 5.0
-        while True:
-            leftover = {pid for namespace in record.namespaces for pid in _netns_pids(namespace)}
-            if not leftover or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        leftover = left_after(lambda: {pid for ns in record.namespaces for pid in _netns_pids(ns)}, 5.0, 0.05)
         problems = _remove(record)
         if not problems:
             record.path.unlink(missing_ok=True)

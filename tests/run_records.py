@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import psutil
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -108,3 +110,14 @@ def stop_pids(pids: dict[int, float | None], seconds: float = 5.0) -> list[int]:
         if not running:
             return []
     return running
+
+
+def left_after(find: Callable[[], T], seconds: float, pause: float) -> T:
+    """What `find()` finds once it finds nothing, or after `seconds`: the processes a harness started
+    that are still exiting after its stop."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = find()
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)

@@ -6,16 +6,21 @@ installs all three. Screenshots go to test-artifacts/.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.jupyterlab_server import Lab, jupyterlab, launch_chromium, missing_requirement, run_all_cells
+from tests.jupyterlab_server import (
+    Lab,
+    jupyterlab,
+    launch_chromium,
+    missing_requirement,
+    notebook_text,
+    run_all_cells,
+    watch_page,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
@@ -98,18 +103,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 
 def write_notebook(path: Path) -> None:
-    cells = [
-        new_code_cell("%load_ext ddp_notebook\n%ddp_start 2"),
-        new_code_cell(TRAIN_CELL),
-        new_code_cell(OWN_WIDGETS_CELL),
-        new_code_cell(PROFILE_CELL),
-        new_code_cell("%ddp_stop"),
-    ]
-    notebook = new_notebook(
-        cells=cells,
-        metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
-    )
-    nbformat.write(notebook, path)
+    cells = ["%load_ext ddp_notebook\n%ddp_start 2", TRAIN_CELL, OWN_WIDGETS_CELL, PROFILE_CELL, "%ddp_stop"]
+    path.write_text(notebook_text(cells))
 
 
 def test_live_view_in_jupyterlab(lab: Lab) -> None:
@@ -118,7 +113,6 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     write_notebook(lab.root / "live.ipynb")
     console_errors: list[str] = []
-    samples: list[dict[str, Any]] = []
     with sync_playwright() as playwright:
         browser = launch_chromium(playwright, lab.root.parent / "chromium-profile")
         try:
@@ -126,16 +120,8 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
             page.on("console", lambda message: console_errors.append(message.text) if message.type == "error" else None)
             page.goto(f"{lab.url}/lab/tree/live.ipynb?token={lab.token}")
             run_all_cells(page)
-            deadline = time.monotonic() + RUN_SECONDS
-            while True:
-                sample = page.evaluate(SNAPSHOT_JS)
-                samples.append(sample)
-                if "stopped the world" in sample["text"] or sample["errors"]:
-                    break
-                if time.monotonic() > deadline:
-                    page.screenshot(path=ARTIFACTS / "browser-timeout.png", full_page=True)
-                    pytest.fail(f"the notebook did not finish in {RUN_SECONDS:g} s; last page state: {sample}")
-                page.wait_for_timeout(100)
+            picture = ARTIFACTS / "browser-timeout.png"
+            samples = watch_page(page, SNAPSHOT_JS, "stopped the world", RUN_SECONDS, 100, picture)
             page.wait_for_timeout(500)  # let plotly finish drawing before the pictures
             final = page.evaluate(SNAPSHOT_JS)
             page.screenshot(path=ARTIFACTS / "browser-notebook.png", full_page=True)
@@ -220,12 +206,7 @@ def test_a_large_worlds_live_view_in_jupyterlab(lab: Lab) -> None:
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
-    notebook = new_notebook(
-        cells=[new_code_cell(code) for code in LARGE_CELLS],
-        metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
-    )
-    nbformat.write(notebook, lab.root / "large.ipynb")
-    samples: list[dict[str, Any]] = []
+    (lab.root / "large.ipynb").write_text(notebook_text(LARGE_CELLS))
     with sync_playwright() as playwright:
         browser = launch_chromium(playwright, lab.root.parent / "chromium-profile-large")
         try:
@@ -234,20 +215,16 @@ def test_a_large_worlds_live_view_in_jupyterlab(lab: Lab) -> None:
             # "Run All Cells" would go to whichever notebook has the focus
             page.goto(f"{lab.url}/lab/workspaces/large/tree/large.ipynb?reset&token={lab.token}")
             run_all_cells(page)
-            deadline = time.monotonic() + 240  # 64 ranks start on 2 cores; inside the test timeout (300 s)
-            timing = False
-            while True:
-                sample = page.evaluate(LARGE_JS)
-                samples.append(sample)
-                if sample["shown"] and not timing:
+            timing: list[bool] = []
+
+            def time_frames(sample: dict[str, Any]) -> None:
+                if sample["shown"] and not timing:  # from the moment the large world's view appears
                     page.evaluate(FRAMES_JS)
-                    timing = True
-                if "the large world stopped" in sample["text"] or sample["errors"]:
-                    break
-                if time.monotonic() > deadline:
-                    page.screenshot(path=ARTIFACTS / "browser-large-timeout.png", full_page=True)
-                    pytest.fail(f"the notebook did not finish; last page state: {sample}")
-                page.wait_for_timeout(250)
+                    timing.append(True)
+
+            picture = ARTIFACTS / "browser-large-timeout.png"
+            # 64 ranks start on 2 cores in 240 s at most: inside the test's timeout (300 s)
+            samples = watch_page(page, LARGE_JS, "the large world stopped", 240, 250, picture, time_frames)
             page.wait_for_timeout(500)
             final = page.evaluate(LARGE_JS)
             page.locator(".ddp-large").first.screenshot(path=ARTIFACTS / "live-view-large.png")

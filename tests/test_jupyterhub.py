@@ -537,13 +537,9 @@ def write_user_file(user: hub_module.HubUser, relative: str, text: str) -> Path:
 
 
 def live_notebook_text() -> str:
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_notebook
+    from tests.jupyterlab_server import notebook_text
 
-    cells = ["%load_ext ddp_notebook\n%ddp_start 2", HUB_BROWSER_CELL, "%ddp_stop"]
-    kernelspec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-    notebook = new_notebook(cells=[new_code_cell(c) for c in cells], metadata={"kernelspec": kernelspec})
-    return nbformat.writes(notebook)
+    return notebook_text(["%load_ext ddp_notebook\n%ddp_start 2", HUB_BROWSER_CELL, "%ddp_stop"])
 
 
 def hub_login(page: Any, hub: Hub, user: str) -> None:
