@@ -55,6 +55,66 @@ def test_queue_request_answers_per_engine(world: DDPCluster) -> None:
     assert {str(info.engine_id) for info in world.ranks} <= set(content)
 
 
+def test_engines_a_client_never_heard_of_are_learned_from_the_controller(world: DDPCluster) -> None:
+    """A second client of the world's controller misses a registration (as one does whose
+    connection request is answered just before a rank registers, and whose subscription to the
+    announcements opens just after): asking the controller brings it back, and a start waiting
+    for its ranks (forming.wait_for_engines) asks by itself."""
+    from ddp_notebook.world import forming
+
+    assert world.provisioner is not None and world.provisioner.cluster is not None
+    engines = sorted(info.engine_id for info in world.ranks)
+    client = world.provisioner.cluster.connect_client_sync()
+    try:
+        assert sorted(client.ids) == engines
+        missed = engines[-1]
+        forgotten = threading.Event()
+
+        def forget() -> None:
+            client._ids.remove(missed)
+            client._engines.pop(missed)
+            forgotten.set()
+
+        ipp_adapter.on_io_thread(client, forget)
+        assert forgotten.wait(10) and missed not in client.ids
+        assert ipp_adapter.learn_registered_engines(client).wait(10)
+        deadline = time.monotonic() + 10
+        while missed not in client.ids and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(client.ids) == engines
+
+        forgotten.clear()
+        ipp_adapter.on_io_thread(client, forget)
+        assert forgotten.wait(10) and missed not in client.ids
+
+        class Waiting:  # the provisioner's part in a start, over this client
+            def __init__(self) -> None:
+                self.client, self.learned = client, []
+
+            def expected_ranks(self) -> int:
+                return len(engines)
+
+            def start_failure(self) -> None:
+                return None
+
+            def too_few_message(self, registered: int, wanted: int) -> str:
+                return f"only {registered} of {wanted}"
+
+            def engine_ids(self, wanted: int) -> list[int]:
+                return sorted(client.ids)[:wanted]
+
+            def learn(self, identities: list) -> None:  # type: ignore[type-arg]
+                self.learned = identities
+
+        waiting = Waiting()
+        began = time.perf_counter()
+        identities = forming.wait_for_engines(waiting, began + 30)  # type: ignore[arg-type]
+        assert sorted(identity.engine_id for identity in identities) == engines
+        assert time.perf_counter() - began < forming.ASK_CONTROLLER_SECONDS + 5
+    finally:
+        client.close()
+
+
 def test_error_replies_unwrap_to_remote_errors(world: DDPCluster) -> None:
     # the content of an engine's error reply, as the relay meets it when the metadata has none
     content = {

@@ -136,9 +136,54 @@ def test_a_fold_stays_open_while_ranks_keep_adding_to_it_up_to_its_limit() -> No
     clock = Clock()
     output = LargeOutput(1024, frozenset({0}), clock=clock, fold_seconds=0.3)
     written = []
-    for rank in range(30):  # a rank every 0.125 s: the ranks starting the cell one after another
+    for rank in range(60):  # a rank every 0.125 s: the ranks starting the cell one after another
         written += output.take(rank, "stderr", ["slow start"])
         clock.now += 0.125
     last = int(FOLD_MAX_SECONDS / 0.125)  # the rank whose line came as the fold reached its limit
     assert written == [("stderr", f"[ranks 0-{last}] slow start\n")]
-    assert output.finish() == [("stderr", f"[ranks {last + 1}-29] slow start\n")]
+    # the ranks that came later are named once, at the end, with the line's first characters
+    assert output.finish() == [
+        (
+            "stderr",
+            f'(the line "slow start" came {59 - last} more times, after it was shown, from '
+            f"{59 - last} ranks ({last + 1}-59): %ddp_output RANK shows each)\n",
+        )
+    ]
+
+
+def test_a_line_shown_once_is_counted_when_it_comes_again_and_named_at_the_end() -> None:
+    from ddp_notebook.cell.large_output import REMEMBERED_LINES
+
+    clock = Clock()
+    output = LargeOutput(64, frozenset({0}), clock=clock, fold_seconds=0.3)
+    warning = "UserWarning: the learning rate scheduler was stepped before the optimizer"
+    for rank in range(63):
+        assert output.take(rank, "stderr", [warning]) == []
+    # the last rank to say it closes the fold at once: no wait once every rank said it
+    assert output.take(63, "stderr", [warning]) == [("stderr", f"[ranks 0-63] {warning}\n")]
+    for _step in range(100):  # the same warning in every step of a loop, from every rank
+        for rank in range(64):
+            assert output.take(rank, "stderr", [warning]) == []
+        clock.now += 0.1
+    output.take(7, "stderr", ["ValueError: a new line is shown as it comes"])
+    clock.now += 0.5
+    assert output.due() == [("stderr", "[rank 7] ValueError: a new line is shown as it comes\n")]
+    assert output.finish() == [
+        (
+            "stderr",
+            '(the line "UserWarning: the learning rate…" came 6,400 more times, after it was shown, '
+            "from 64 ranks (0-63): %ddp_output RANK shows each)\n",
+        )
+    ]
+    assert output.output(7).count(warning) == 101  # each rank keeps every line it printed
+
+    # a cell whose every stderr line differs: what is remembered of them stays bounded
+    many = LargeOutput(64, frozenset({0}), clock=clock, fold_seconds=0.3)
+    for line in range(REMEMBERED_LINES + 10):
+        many.take(1, "stderr", [f"line {line}"])
+        clock.now += 0.5
+        many.due()
+    assert len(many._again) == REMEMBERED_LINES
+    many.take(2, "stderr", ["line 0"])  # forgotten: shown again, as new
+    clock.now += 0.5
+    assert many.due() == [("stderr", "[rank 2] line 0\n")]

@@ -72,3 +72,27 @@ def test_run_with_timeout_keeps_errors_out_of_the_output(monkeypatch: pytest.Mon
     assert processes.run_with_timeout(lambda: time.sleep(3.0), 0.2) is False  # still running: not done
     assert time.monotonic() - started < 2.0
     assert escaped == []
+
+
+def test_a_log_tail_puts_why_the_process_gave_up_first(tmp_path: pathlib.Path) -> None:
+    """ipyparallel's engine that gives up on its registration logs why, then a paragraph of advice:
+    the reason leads the tail a start error quotes."""
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "[IPEngineApp] Registering with controller at tcp://127.0.0.1:5000\n"
+        "[IPEngineApp] CRITICAL | Registration timed out after 5.0 seconds\n"
+        "[IPEngineApp] CRITICAL | \n"
+        "            If the controller and engines are not on the same machine,\n"
+        "            you will have to instruct the controller to listen on an external IP:\n"
+        "                c.IPController.ip = '0.0.0.0'\n"
+        "                c.IPController.ip = '192.168.1.101'\n"
+        "            or tunnel connections via ssh.\n"
+    )
+    tail = processes.log_tail(str(log))
+    assert tail.startswith("[IPEngineApp] CRITICAL | Registration timed out after 5.0 seconds | ... | ")
+    assert tail.endswith("or tunnel connections via ssh.")
+    assert "            " not in tail  # the advice's indentation is not carried into one line
+    assert processes.log_tail(str(log), why_first=False).startswith("If the controller and engines")
+    log.write_text("one\ntwo\n")
+    assert processes.log_tail(str(log)) == "one | two"
+    assert processes.log_tail(str(tmp_path / "missing.log")) == ""

@@ -160,6 +160,10 @@ def test_a_slurm_rank_is_added_as_a_job_of_one_task_away_from_a_silent_node(cpu_
     assert [o["submit_command"] for o in started] == [["/site/sbatch", "--qos=debug", "--exclude=node7"]] * 2
     assert [o["n"] for o in started] == [1, 1]
     assert [o["environment"][SLOT_ENV] for o in started] == ["1", "2"]  # type: ignore[index]
+    # a rank waits for the controller's answer to its registration as long as the start may
+    assert provisioner.config.start_timeout >= 30  # a batch job may wait in its queue
+    wait = f"--IPEngine.timeout={provisioner.config.start_timeout:g}"
+    assert [o["engine_args"] for o in started] == [[wait]] * 2
     assert len({o["engine_set_id"] for o in started}) == 2
     started.clear()
     provisioner.add([3])  # a resize: nothing to avoid
@@ -227,6 +231,38 @@ def test_a_local_world_adds_a_rank_process_through_its_provisioner(no_leaks: Non
     assert wait_gone(pids) == []
 
 
+def test_ranks_wait_for_a_controller_slow_to_answer_their_registration(no_leaks: None) -> None:
+    """The controller stops answering for 8 s while the ranks register (as one does answering
+    128 ranks on 2 cores): ipyparallel's engine gives up after 5 s and exits, which lost ranks
+    from starts; a rank waits as long as the world's start may, and the world starts whole."""
+    world = DDPCluster(2, backend="gloo", start_timeout=60)
+    original_add = LocalProvisioner.add
+    resumed: list[float] = []
+
+    def add_with_controller_paused(self: LocalProvisioner, slots: object, *rest: object, **options: object) -> None:
+        assert self.cluster is not None and self.cluster.controller is not None
+        controller = self.cluster.controller.process.pid
+        os.kill(controller, signal.SIGSTOP)
+        try:
+            original_add(self, slots, *rest, **options)  # type: ignore[arg-type]
+            time.sleep(8)  # the ranks ask for registration into a silent controller
+        finally:
+            os.kill(controller, signal.SIGCONT)
+            resumed.append(time.monotonic())
+
+    LocalProvisioner.add = add_with_controller_paused  # type: ignore[method-assign]
+    try:
+        world.start()
+    finally:
+        LocalProvisioner.add = original_add  # type: ignore[method-assign]
+    try:
+        assert resumed, "the controller was paused while the ranks registered"
+        assert world.world_size == 2
+        assert world.execute("t = torch.ones(1); dist.all_reduce(t); t.item()", stream=False).value_text(0) == "2.0"
+    finally:
+        world.stop()
+
+
 def test_a_death_says_its_cause_as_a_value_and_in_words() -> None:
     assert death_of(7) == Death("exited", "exited with code 7", 7)
     assert death_of(None) == Death("exited", "exited")
@@ -239,3 +275,14 @@ def test_a_death_says_its_cause_as_a_value_and_in_words() -> None:
     not_memory = death_of(-signal.SIGKILL, OomVerdict(False))
     assert not_memory == Death("signal", "was killed by SIGKILL", -signal.SIGKILL)
     assert death_of(-signal.SIGKILL).cause == "signal"  # unknown: a signal, with the hint in its words
+
+
+def test_a_start_error_quotes_the_ranks_that_never_registered_or_gave_up_after() -> None:
+    from ddp_notebook.world.provisioning.launcher import _not_registered_or_gave_up
+
+    registering = ["[IPEngineApp] Registering with controller at tcp://10.0.0.1:5000"]
+    assert _not_registered_or_gave_up(registering)
+    registered = [*registering, "[IPEngineApp] Completed registration with id 1"]
+    assert not _not_registered_or_gave_up(registered)
+    assert not _not_registered_or_gave_up([*registered, "[IPEngineApp] Starting to monitor the heartbeat"])
+    assert _not_registered_or_gave_up([*registered, "[IPEngineApp] CRITICAL | received signal 15, stopping"])

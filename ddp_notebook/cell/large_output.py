@@ -5,7 +5,9 @@ training loop would bring a line per rank per step (1,024 lines for one `print` 
 so by default:
 - stdout is shown for rank 0 only (`%%ddp --show RANKS` picks others, or `all`);
 - stderr (warnings, errors) is shown for every rank, and the same line from several ranks close
-  together (FOLD_SECONDS) is shown once, with its ranks: `[ranks 0-1023] UserWarning: ...`;
+  together (FOLD_SECONDS) is shown once, with its ranks: `[ranks 0-1023] UserWarning: ...`; the
+  same line again later in the cell (a rank that came late, a warning in a loop) is counted, and
+  the cell's last line names its ranks, as Python's warnings show a warning once;
 - every line of every rank is kept (the last KEEP_BYTES_TOTAL / ranks bytes of each), so one
   rank's whole output stays a call away: `world.output(rank)`, `%ddp_output RANK`.
 
@@ -23,11 +25,17 @@ from .output import rank_prefix
 
 # worlds up to this many ranks show every line of every rank (and their reports a line per rank)
 SHOW_ALL_UP_TO = GROUP_ABOVE
-# the same stderr line from several ranks is shown once: it waits until no other rank said it for
-# FOLD_SECONDS (a warning every rank prints reaches the notebook within a few of ipykernel's 0.2 s
-# output flushes, spread as the ranks started the cell), and at most FOLD_MAX_SECONDS
+# the same stderr line from several ranks is shown once: it waits until every rank said it, or no
+# other rank said it for FOLD_SECONDS (a warning every rank prints reaches the notebook within a
+# few of ipykernel's 0.2 s output flushes, spread as the ranks started the cell), and at most
+# FOLD_MAX_SECONDS (ranks starved of CPU spread it over seconds)
 FOLD_SECONDS = 0.3
-FOLD_MAX_SECONDS = 2.0
+FOLD_MAX_SECONDS = 5.0
+# a line said again after it was shown is named at the end by its first words
+QUOTED_CHARS = 32
+# how many shown lines are remembered for that (the oldest forgotten first: a bound on the kernel's
+# memory when every line differs)
+REMEMBERED_LINES = 4096
 # what the kernel keeps of one cell's output, all ranks together (each rank gets its share)
 KEEP_BYTES_TOTAL = 64 * 2**20
 KEEP_BYTES_MAX = 1 * 2**20
@@ -89,12 +97,15 @@ class LargeOutput:
     ) -> None:
         self.shown = shown
         self.fold = fold
+        self._world_size = world_size
         self._clock = clock
         self._fold_seconds = fold_seconds
         self._limit = max(4096, min(KEEP_BYTES_MAX, KEEP_BYTES_TOTAL // max(1, world_size)))
         self.kept: dict[int, KeptOutput] = {}
         # stderr lines waiting to be folded: text -> (when the first came, when the last came, its ranks)
         self._folding: dict[str, tuple[float, float, list[int]]] = {}
+        # stderr lines already shown, and who said them again since: text -> [times, ranks]
+        self._again: dict[str, tuple[list[int], set[int]]] = {}
         self.hidden_lines = 0
         self.hidden_ranks: set[int] = set()
 
@@ -108,6 +119,11 @@ class LargeOutput:
         if stream == "stderr" and self.fold:
             now = self._clock()
             for line in lines:
+                again = self._again.get(line)
+                if again is not None:
+                    again[0][0] += 1
+                    again[1].add(rank)
+                    continue
                 first, _, ranks = self._folding.get(line, (now, now, []))
                 ranks.append(rank)
                 self._folding[line] = (first, now, ranks)
@@ -120,21 +136,29 @@ class LargeOutput:
         return []
 
     def due(self, now: float | None = None) -> list[tuple[str, str]]:
-        """The folded stderr lines no rank added to for FOLD_SECONDS (or waiting FOLD_MAX_SECONDS), in
-        the order they first came."""
+        """The folded stderr lines every rank said, or no rank added to for FOLD_SECONDS (or waiting
+        FOLD_MAX_SECONDS), in the order they first came."""
         if not self._folding:
             return []
         now = self._clock() if now is None else now
         ready = [
             line
-            for line, (first, last, _) in self._folding.items()
-            if now - last >= self._fold_seconds or now - first >= FOLD_MAX_SECONDS
+            for line, (first, last, ranks) in self._folding.items()
+            if now - last >= self._fold_seconds
+            or now - first >= FOLD_MAX_SECONDS
+            or (len(ranks) >= self._world_size and len(set(ranks)) == self._world_size)
         ]
         return self._emit(ready)
 
     def finish(self) -> list[tuple[str, str]]:
-        """Everything still folding, then one line on what was kept and not shown."""
+        """Everything still folding, a line for each shown line said again, then one line on what
+        was kept and not shown."""
         out = self._emit(list(self._folding))
+        repeats = "".join(
+            self._said_again(line, times[0], ranks) for line, (times, ranks) in self._again.items() if ranks
+        )
+        if repeats:
+            out.append(("stderr", repeats))
         if self.hidden_lines:
             out.append(("stdout", self.note() + "\n"))
         return out
@@ -150,12 +174,27 @@ class LargeOutput:
         kept = self.kept.get(rank)
         return kept.text() if kept is not None else ""
 
+    @staticmethod
+    def _said_again(line: str, times: int, ranks: set[int]) -> str:
+        quoted = line
+        if len(line) > QUOTED_CHARS:  # cut at a word where there is one
+            head = line[:QUOTED_CHARS]
+            quoted = (head.rsplit(" ", 1)[0] if " " in head.strip() else head).rstrip() + "…"
+        more = "once more" if times == 1 else f"{times:,} more times"
+        return (
+            f'(the line "{quoted}" came {more}, after it was shown, from {count_ranks(len(ranks))} '
+            f"({rank_ranges(ranks, RUNS_SHOWN)}): %ddp_output RANK shows each)\n"
+        )
+
     def _emit(self, lines: list[str]) -> list[tuple[str, str]]:
         if not lines:
             return []
         text = []
         for line in lines:
             _, _, ranks = self._folding.pop(line)
+            self._again[line] = ([0], set())
+            if len(self._again) > REMEMBERED_LINES:
+                del self._again[next(iter(self._again))]
             distinct = sorted(set(ranks))
             if len(distinct) == 1:
                 text.append(f"{rank_prefix(distinct[0])}{line}\n")

@@ -64,14 +64,26 @@ def describe_exit(code: int | None, oom: OomVerdict | None = None) -> str:
     return f"exited with code {code}"
 
 
-def log_tail(path: str, lines: int = 5) -> str:
+# a log line that says why a process gave up (ipyparallel's and Python's logging)
+FATAL_MARKS = ("CRITICAL", "FATAL", "Traceback", "Error:")
+
+
+def log_tail(path: str, lines: int = 5, why_first: bool = True) -> str:
+    """The last `lines` lines of a log, joined by " | "; the last line that says why the process
+    gave up goes first when it is further up (ipyparallel's engine follows its "Registration
+    timed out" with a paragraph of advice)."""
     if not path:
         return ""
     try:
         with open(path, encoding="utf8", errors="replace") as handle:
-            tail = handle.read().strip().splitlines()[-lines:]
+            every = [line.strip() for line in handle.read().splitlines() if line.strip()]
     except OSError:
         return ""
+    tail = every[-lines:]
+    # (a logged message that starts with a newline leaves a line that ends at its level's "|")
+    fatal = [line for line in every if any(mark in line for mark in FATAL_MARKS) and not line.endswith("|")]
+    if why_first and fatal and fatal[-1] not in tail:
+        tail = [fatal[-1], "...", *tail[-(lines - 1) :]]
     return " | ".join(tail)
 
 

@@ -20,7 +20,7 @@ from ..rank import calls as rank_calls
 from ..wire import xray as xray_wire
 from ..wire.join import Identity, JoinReport, RankSpec
 from ..wire.results import RankInfo
-from . import layout
+from . import ipp_adapter, layout
 from .config import WorldConfig, is_loopback
 from .provisioning import Provisioner
 
@@ -39,6 +39,10 @@ class WorldLayout:
         return len(self.placements)
 
 
+# while ranks are missing, the controller is asked this often which registered
+ASK_CONTROLLER_SECONDS = 1.0
+
+
 def _remaining(deadline: float) -> float:
     return max(1.0, deadline - time.perf_counter())
 
@@ -47,12 +51,17 @@ def wait_for_engines(provisioner: Provisioner, deadline: float) -> list[layout.E
     """Wait until every engine registered, then ask each who it is."""
     client = provisioner.client
     wanted = provisioner.expected_ranks()
+    ask_at = time.perf_counter() + ASK_CONTROLLER_SECONDS
     while len(client.ids) < wanted:
         failure = provisioner.start_failure()
         if failure is not None:
             raise StartError(failure)
         if time.perf_counter() > deadline:
             raise StartError(provisioner.too_few_message(len(client.ids), wanted))
+        if time.perf_counter() > ask_at:
+            # a rank that registered while the client connected was never announced to it
+            ipp_adapter.learn_registered_engines(client)
+            ask_at = time.perf_counter() + ASK_CONTROLLER_SECONDS
         time.sleep(0.02)
     described = client[provisioner.engine_ids(wanted)].apply_async(rank_calls.describe)
     try:

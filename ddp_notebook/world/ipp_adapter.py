@@ -36,6 +36,28 @@ def send_queue_request(client: Any) -> Any:
     return client._send(client._query_stream, "queue_request", content={"targets": None, "verbose": False})
 
 
+def learn_registered_engines(client: Any) -> Any:
+    """Ask the controller which engines registered and add those the client has not heard of;
+    returns the future of the answer (the engines are added on the client's IO thread).
+
+    A client hears of engines from the controller's answer to its connection request and from
+    then on by notifications on a subscription it opens after that answer; an engine whose
+    registration finished in between is never heard of (a world's ranks register while its client
+    connects). Nothing public asks again.
+    """
+    future = client._send(client._query_stream, "connection_request")
+
+    def learn(answered: Any) -> None:
+        try:
+            engines = dict(answered.result()["content"]["engines"])
+        except Exception:  # noqa: BLE001  (no answer: the next ask may have one)
+            return
+        client._io_loop.add_callback(lambda: client._update_engines(engines))
+
+    future.add_done_callback(learn)
+    return future
+
+
 def unwrap_exception(client: Any, content: dict[str, Any]) -> Any:
     """An engine's error reply as the RemoteError ipyparallel would raise for it."""
     return client._unwrap_exception(content)

@@ -96,6 +96,14 @@ class ControlledProvisioner(Provisioner):
     def engine_command(self, python: str) -> list[str]:
         return [python, "-m", ENTRY, "engine"]
 
+    def engine_arguments(self) -> list[str]:
+        """What every rank's engine is told, however it is launched."""
+        # an engine waits 5 s for the controller's answer to its registration, then exits (255):
+        # a controller answering 128 ranks on 2 cores, or a CurveZMQ handshake with a host under
+        # load, takes longer, and the start lost those ranks without a word. The world's start
+        # limit bounds the wait instead
+        return [f"--IPEngine.timeout={registration_seconds(self.config.start_timeout)}"]
+
     def exit_of(self, engine_set_id: str, pid: int | None = None) -> tuple[int | None, str] | None:
         """(exit code or None if unknown, log file) of an engine set whose process exited; None while it runs.
 

@@ -68,6 +68,7 @@ class LauncherProvisioner(ControlledProvisioner):
             engine_set_id=WORLD_ENGINE_SET,
             environment=self._environment(),
             engine_cmd=self.engine_command(launch.python),
+            engine_args=self.engine_arguments(),
         )
         self.client = self.cluster.connect_client_sync()
         return self.client
@@ -130,6 +131,7 @@ class LauncherProvisioner(ControlledProvisioner):
                 engines={host: 1},
                 environment={**self._environment(), SLOT_ENV: str(rank)},
                 engine_cmd=self.engine_command(self.config.launch.python),
+                engine_args=self.engine_arguments(),
             )
 
     def _add_slurm_jobs(self, slots: Iterable[int], replacing: Mapping[int, tuple[RankInfo, Death]]) -> None:
@@ -146,6 +148,7 @@ class LauncherProvisioner(ControlledProvisioner):
                 engine_set_id=f"rank-{rank}-{next(self._engine_sets)}",
                 environment={**self._environment(), SLOT_ENV: str(rank)},
                 engine_cmd=self.engine_command(self.config.launch.python),
+                engine_args=self.engine_arguments(),
                 submit_command=submit,
             )
 
@@ -185,7 +188,7 @@ class LauncherProvisioner(ControlledProvisioner):
         controller) is there, not in a file on another host."""
         said = []
         controller = getattr(self.cluster.controller, "output_file", "") if self.cluster is not None else ""
-        lines = processes.log_tail(controller, 200).split(" | ")
+        lines = processes.log_tail(controller, 200, why_first=False).split(" | ")
         troubles = [
             line for line in lines if "registration::" in line and any(word in line for word in REGISTRATION_TROUBLES)
         ]
@@ -203,7 +206,17 @@ class LauncherProvisioner(ControlledProvisioner):
 
             processes.run_with_timeout(fetch, OUTPUT_FETCH_SECONDS)
             lines = [line.strip() for line in "".join(output).splitlines() if line.strip()]
-            if lines and not any(REGISTERED in line for line in lines):
+            if lines and _not_registered_or_gave_up(lines):
                 where = getattr(launcher, "location", "") or getattr(launcher, "identifier", "a rank")
                 said.append(f"{where} said: " + " | ".join(lines[-OUTPUT_LINES:]))
         return said
+
+
+def _not_registered_or_gave_up(lines: list[str]) -> bool:
+    """Whether a rank's log says it never registered, or gave up after it did (a rank that
+    registered and then lost the controller left the world before it formed)."""
+    marks = [index for index, line in enumerate(lines) if REGISTERED in line]
+    if not marks:
+        return True
+    after = lines[marks[-1] + 1 :]
+    return any(mark in line for line in after for mark in processes.FATAL_MARKS)

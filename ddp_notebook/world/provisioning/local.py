@@ -112,6 +112,7 @@ class LocalProvisioner(ControlledProvisioner):
                 environment=self.rank_environment(slot),
                 engine_cmd=self.engine_command(sys.executable),
                 engine_args=[
+                    *self.engine_arguments(),
                     f"--IPEngine.wait_for_url_file={self.config.start_timeout:g}",
                     # the nanny is one more Python process per rank, only needed to signal
                     # engines through the controller; we signal the PIDs we started
