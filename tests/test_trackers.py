@@ -59,6 +59,46 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
+class RecordingBackend:
+    """What the writer thread asked of its tracker, in order; the first write waits for a gate so that
+    what is queued after it is there when the writer batches (the order a loaded machine gives)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+
+    def begin(self, run_name: str, description: Any) -> None:
+        self.calls.append("begin")
+
+    def params(self, params: Any) -> None:
+        self.calls.append(f"params {sorted(params)}")
+
+    def write(self, points: Any) -> None:
+        self.gate.wait(10)
+        self.calls.append(f"write {len(points)}")
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+def test_hyperparameters_queued_before_a_flush_are_written_when_it_returns() -> None:
+    from ddp_notebook.live.trackers import TrackerRun
+
+    backend = RecordingBackend()
+    run = TrackerRun(TrackerSettings.parse("tensorboard", "all"), backend, "cell-1", {})
+    run.add(0, "loss", [0.0], [1.0])
+    run.add(1, "loss", [0.0], [2.0])  # batched with the first: the writer looks past it
+    run.params({"lr": 0.1})
+    run.add(0, "loss", [1.0], [3.0])
+    backend.gate.set()
+    run.flush(10)
+    assert "params ['lr']" in backend.calls, backend.calls  # it did not move behind the flush
+    run.finish(10)
+    assert backend.calls == ["begin", "write 2", "params ['lr']", "write 1", "end"], backend.calls
+
+
 def test_tensorboard_holds_every_ranks_points(world: DDPCluster, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     world.track(f"tensorboard:{runs}", ranks="all", params=["lr"])

@@ -90,6 +90,7 @@ class TensorBoardBackend:
 
     def params(self, params: Mapping[str, Any]) -> None:
         self._text("hyperparameters", {name: repr(value) for name, value in params.items()})
+        self.writer.flush()  # text events wait for the writer's 2-minute flush otherwise
 
     def _text(self, tag: str, table: Mapping[str, str]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -260,8 +261,10 @@ class TrackerRun:
         self._thread.join(seconds)
 
     def _write(self) -> None:
+        held: tuple[str, Any] | None = None  # taken while batching writes: it goes next, in order
         while True:
-            what, payload = self._queue.get()
+            what, payload = held if held is not None else self._queue.get()
+            held = None
             try:
                 if what == "flush":
                     payload.set()
@@ -279,7 +282,7 @@ class TrackerRun:
                         except queue.Empty:
                             break
                         if more[0] != "write":
-                            self._queue.put(more)  # not ours to reorder past: keep it for the next turn
+                            held = more  # a flush or params must not move behind what came after it
                             break
                         batch.extend(more[1])
                     self.backend.write(batch)
