@@ -232,13 +232,21 @@ def test_a_fresh_rank_process_loads_no_kernel_side_module() -> None:
 
 def test_leaf_modules_import_nothing_of_the_package() -> None:
     graph = import_graph()
-    leaves = ("wire.results", "world.state", "cell.output", "world.ipp_adapter", "rank.torch_adapter", "errors")
+    leaves = (
+        "wire.results",
+        "world.state",
+        "cell.output",
+        "world.ipp_adapter",
+        "rank.torch_adapter",
+        "rank.ipykernel_adapter",
+        "errors",
+    )
     for leaf in leaves:
         assert graph[f"ddp_notebook.{leaf}"] == set(), leaf
 
 
 # each dependency's internals, in the folder of the side that uses that dependency
-ADAPTERS = ("world/ipp_adapter.py", "rank/torch_adapter.py", "live/plotly_adapter.py")
+ADAPTERS = ("world/ipp_adapter.py", "rank/torch_adapter.py", "rank/ipykernel_adapter.py", "live/plotly_adapter.py")
 # the standard library's own functions spelled with an underscore (documented, public)
 _STDLIB_UNDERSCORED = {"os._exit", "sys._getframe", "sys._current_frames"}
 
@@ -284,7 +292,16 @@ def test_no_private_internals_outside_the_adapters() -> None:
 
 # the private attributes of each dependency this package reaches for, each set in its adapter
 _PRIVATE = {
-    "world/ipp_adapter.py": ("._children", "._io_loop", "._send(", "._query_stream", "._unwrap_exception", "stop_data"),
+    "world/ipp_adapter.py": (
+        "._children",
+        "._io_loop",
+        "._send(",
+        "._query_stream",
+        "._unwrap_exception",
+        "stop_data",
+        "._parse_date",
+    ),
+    "rank/ipykernel_adapter.py": ("._publish_execute_input",),
     "rank/torch_adapter.py": (
         "torch._C",
         "_composable_state",

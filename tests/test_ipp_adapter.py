@@ -1,6 +1,7 @@
-"""Each use of ipyparallel's private internals (ddp_notebook.world.ipp_adapter), on real clusters.
+"""Each use of ipyparallel's private internals (ddp_notebook.world.ipp_adapter), and of ipykernel's on
+a rank's side (ddp_notebook.rank.ipykernel_adapter), on real clusters.
 
-ipyparallel is bounded in pyproject.toml to the versions these tests pass on.
+ipyparallel and ipykernel are bounded in pyproject.toml to the versions these tests pass on.
 """
 
 from __future__ import annotations
@@ -113,6 +114,65 @@ def test_engines_a_client_never_heard_of_are_learned_from_the_controller(world: 
         assert time.perf_counter() - began < forming.ASK_CONTROLLER_SECONDS + 5
     finally:
         client.close()
+
+
+DATES = [
+    "2026-11-27T00:49:52.123456Z",
+    "2026-11-27T00:49:52Z",
+    "2026-11-27T00:49:52.1+01:00",
+    "2026-11-27T00:49:52.123456+0000",
+    "2026-11-27T00:49:52.123456",  # naive: ipyparallel's own parser decides (local time, a warning)
+    "not a date",
+    None,
+]
+
+
+def test_reply_dates_are_read_as_ipyparallels_parser_reads_them(world: DDPCluster) -> None:
+    import warnings
+
+    from ipyparallel import util
+
+    assert getattr(util._parse_date, "quick", False)  # a started world installed it
+    original = util._parse_date.__closure__[0].cell_contents  # type: ignore[attr-defined]
+    assert not getattr(original, "quick", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for text in DATES:
+            assert util._parse_date(text) == original(text), text
+    ipp_adapter.parse_reply_dates_quickly()  # twice is once
+    assert util._parse_date.__closure__[0].cell_contents is original  # type: ignore[attr-defined]
+    client = _client(world)
+    result = client[world.ranks[0].engine_id].execute("x = 1", block=False)
+    result.get(timeout=30)
+    started = ipp_adapter.message_futures(result)[0].output.metadata["started"]
+    assert started.tzinfo is not None and abs(started.timestamp() - time.time()) < 60
+
+
+def test_the_controller_keeps_no_record_of_cells(world: DDPCluster) -> None:
+    """Its hub stores nothing (NoDB): by default it held every request and its output for the
+    world's life, which nothing here reads back."""
+    from ipyparallel.error import RemoteError
+
+    world.execute("print('kept nowhere')")
+    with pytest.raises(RemoteError, match="NoDB backend doesn't store any data"):
+        _client(world).db_query({"msg_id": {"$ne": ""}}, keys=["msg_id"])
+
+
+def test_a_rank_does_not_echo_the_cells_code(world: DDPCluster) -> None:
+    """No execute_input on IOPub (a quarter of a trivial cell's messages per rank); the output,
+    the statuses and the reply still come."""
+    client = _client(world)
+    seen: list[str] = []
+    engines = [info.engine_id for info in world.ranks]
+    result = client[engines].execute("print('still here')", silent=False, block=False)
+    for future in ipp_adapter.message_futures(result):
+        future.iopub_callbacks.append(lambda msg: seen.append(msg["header"]["msg_type"]))
+    result.get(timeout=30)
+    result.wait_for_output(timeout=30)
+    for future in ipp_adapter.message_futures(result):
+        metadata = future.output.metadata
+        assert metadata["execute_input"] is None and metadata["stdout"] == "still here\n", metadata
+    assert "execute_input" not in seen and "stream" in seen, seen
 
 
 def test_error_replies_unwrap_to_remote_errors(world: DDPCluster) -> None:

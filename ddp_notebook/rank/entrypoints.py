@@ -139,6 +139,9 @@ def engine_main() -> None:
     _wait_for_connection_file()
     from ipyparallel.engine.app import main
 
+    from .ipykernel_adapter import publish_no_execute_input
+
+    publish_no_execute_input()
     main()
 
 

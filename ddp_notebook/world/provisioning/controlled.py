@@ -78,6 +78,9 @@ class ControlledProvisioner(Provisioner):
                 # starting, or a browser drawing), so as long as the world's start may take
                 f"--IPController.registration_timeout={registration_seconds(self.config.start_timeout)}",
                 *(["--IPController.enable_curve=True"] if self.config.curve else []),
+                # the hub keeps no record of tasks and their output: nothing here reads them back,
+                # and by default it held every cell's messages for the world's life
+                "--IPController.db_class=NoDB",
             ],
             # ipyparallel logs every engine's log file when it exits non-zero; our own
             # messages say what matters, in one line
