@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -147,6 +148,29 @@ def test_push_and_pull(world: DDPCluster) -> None:
         world.push({"handle": (lambda: None, open(__file__))[1]})
     with pytest.raises(DDPUsageError, match="identifiers"):
         world.push({"not a name": 1})
+
+
+def test_a_ranks_engine_logs_no_line_per_cell(world: DDPCluster) -> None:
+    """Once in the world, a rank's engine makes no record per cell (it made five, and wrote one
+    `Handling execute_request` line to its log); its warnings and errors still go to its log."""
+    world.execute(
+        "import logging\n"
+        "_engine_log = get_ipython().kernel.log\n"
+        "_records = []\n"
+        "class _Count(logging.Handler):\n"
+        "    def emit(self, record):\n"
+        "        _records.append(record.levelno)\n"
+        "_counter = _Count(logging.DEBUG)\n"
+        "_engine_log.addHandler(_counter)"
+    )
+    try:
+        for _ in range(3):
+            world.execute("x = 1")
+        world.execute("_engine_log.warning('a warning still logged')\n_level = _engine_log.level")
+        assert world.pull("_records") == {0: [logging.WARNING], 1: [logging.WARNING]}
+        assert world.pull("_level") == {0: logging.WARNING, 1: logging.WARNING}
+    finally:
+        world.execute("_engine_log.removeHandler(_counter)")
 
 
 def test_status_shows_every_rank(world: DDPCluster) -> None:

@@ -68,6 +68,7 @@ def init_world(spec: RankSpec) -> JoinReport:
     os.environ.update(env)
     torch.set_num_threads(spec.threads)
     _declare_not_interactive()
+    _log_warnings_only()
     sys.path[:] = without_repeats(sys.path)
 
     device = _choose_device(spec.backend, spec.gpu, spec.local_rank)
@@ -190,6 +191,27 @@ def _share_run_id(store: dist.Store, rank: int) -> None:
     run_id, _, joins = store.get(_RUN_ID_KEY).decode().partition(":")
     os.environ["TORCHELASTIC_RUN_ID"] = run_id
     os.environ["TORCHELASTIC_RESTART_COUNT"] = joins
+
+
+def _log_warnings_only() -> None:
+    """From here on the rank's engine logs warnings and errors only.
+
+    Its logger stood at DEBUG behind an INFO handler: every cell made five records only to drop
+    them, and wrote a `Handling execute_request` line to the rank's log (a line per rank per cell,
+    for the world's life). What the start reads from a rank's log (its registration, a fatal
+    line) is written before this, or is an error.
+    """
+    import logging
+
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    engine_log = getattr(getattr(shell, "kernel", None), "log", None)
+    if not isinstance(engine_log, logging.Logger):
+        return
+    handler_levels = [handler.level for handler in engine_log.handlers]
+    if handler_levels and min(handler_levels) > logging.DEBUG:  # nobody asked for the engine's DEBUG lines
+        engine_log.setLevel(logging.WARNING)
 
 
 def _declare_not_interactive() -> None:
