@@ -364,7 +364,8 @@ class Hub:
             timeout=30,
         )
         if response.status_code not in (201, 202, 400):  # 400: it runs already
-            response.raise_for_status()
+            said = f"{response.status_code} {response.text[:500]}"
+            raise RuntimeError(f"the hub refused to start {user}'s server: {said}\n{self.log_tail()}")
         return self._wait_for_server(user, lambda s: s is not None and s["ready"], timeout, "ready")
 
     def stop_server(self, user: str, timeout: float = 60) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,9 @@ def test_ssh_world_spans_two_hosts(
     try:
         assert any(issubclass(w.category, InsecureNetworkWarning) for w in caught), "the untrusted-network warning"
         assert world.config.curve, "CurveZMQ is on beyond loopback"
+        # every ssh and scp of the world to a host went over one connection: a master per host
+        private = world.private_dir or ""
+        assert private and len(ssh_masters_of(private)) == len(multihost_ssh.hosts)
         assert [(r.rank, r.host, r.local_rank, r.local_world_size, r.group_rank) for r in world.ranks] == [
             (0, h1.name, 0, 1, 0),
             (1, h2.name, 0, 1, 1),
@@ -122,6 +126,23 @@ def test_ssh_world_spans_two_hosts(
     finally:
         world.stop()
     assert wait_gone(rank_pids, 20) == []
+    deadline = time.monotonic() + 2
+    while ssh_masters_of(private) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ssh_masters_of(private) == [], "a shared ssh connection outlived the world"
+
+
+def ssh_masters_of(private_dir: str) -> list[int]:
+    """The pids of the ssh masters whose sockets are in the world's private folder (a master names
+    itself `ssh: SOCKET [mux]`)."""
+    import psutil
+
+    masters = []
+    for process in psutil.process_iter(["cmdline"]):
+        title = " ".join(process.info["cmdline"] or []).strip()
+        if title.startswith(f"ssh: {private_dir}/") and title.endswith("[mux]"):
+            masters.append(process.pid)
+    return masters
 
 
 def check_xray_across_hosts(world: DDPCluster, addresses: tuple[str, str]) -> None:
@@ -352,8 +373,11 @@ def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_
 ) -> None:
     """--on-loss replace: rank 0's host goes silent, a new process starts on the list's spare slot
     of the other host and the survivor keeps its variables; %ddp_resize shrinks it and grows it
-    back onto the first host. Every process ends at stop."""
+    back onto the first host. Every process ends at stop, and no rank's log stays on its host (the
+    hosts share this filesystem): not even those of the ranks that ended while the world ran."""
     h1, h2 = multihost_network
+    log_dir = Path.home() / ".ipython" / "profile_default" / "log"
+    logs_before = set(log_dir.glob("ipengine-*.out"))
     world = DDPCluster(
         2,  # the list has 3 slots: the first two start (one per host), the third is spare
         launcher="ssh",
@@ -396,6 +420,7 @@ def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_
         finally:
             world.stop()
     assert wait_gone(sorted(seen)) == []
+    assert set(log_dir.glob("ipengine-*.out")) - logs_before == set()
 
 
 def test_a_host_that_cannot_reach_rank_0_is_named(multihost_network: Network, multihost_ssh: SSHHosts) -> None:
@@ -413,8 +438,6 @@ def test_a_rank_that_never_registers_says_why_in_the_start_error(
 ) -> None:
     """What a rank on another host printed before it failed to register is in the StartError,
     not only in a log file on that host (which is removed once read)."""
-    from pathlib import Path
-
     h2 = multihost_network[1]
     hook = Path(str(tmp_path)) / "hook"
     hook.mkdir()
@@ -539,7 +562,6 @@ def test_a_host_without_the_notebooks_files_gets_them_and_runs_the_edited_module
     its rank works in a sync folder, gets the notebook's module before the first cell, and the
     edited module before the next; %ddp_sync sends a named file only where it differs."""
     import io
-    from pathlib import Path
 
     from ddp_notebook.errors import DDPUsageError
 

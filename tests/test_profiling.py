@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 from ddp_notebook import DDPCluster, DDPUsageError, ProfileSettings
 from ddp_notebook.cell.profiling import parse_steps, prepare_folder
-from ddp_notebook.live.profile_analysis import CATEGORIES, _sweep
+from ddp_notebook.live.profile_analysis import CATEGORIES, _sweep, _what_follows
 from ddp_notebook.live.profile_view import ProfileReport
 from tests.conftest import documented_magic_lines, magics_driving
 
@@ -114,6 +114,25 @@ def test_the_sweep_gives_each_moment_one_category() -> None:
         (15.0, 20.0, "communication"),
         (20.0, 22.0, "idle"),
     ]
+
+
+def test_an_idle_stretch_is_named_by_the_part_of_the_step_that_follows_it() -> None:
+    def named(ops: list[tuple[float, float, str, str]], at: float) -> str:
+        return _what_follows(ops, [op[0] for op in ops], at, 10_000.0)
+
+    # backward's seed gradient, then its engine 0.9 ms later (a loaded machine): still backward
+    seed_then_engine = [
+        (1000.0, 1010.0, "compute", "aten::ones_like"),
+        (1001.0, 1009.0, "compute", "aten::empty_like"),
+        (1900.0, 2500.0, "compute", "autograd::engine::evaluate_function: SumBackward0"),
+    ]
+    assert named(seed_then_engine, 1000.0) == "backward"
+    # any other op says which part only when its telling op follows within 0.2 ms
+    late_forward = [(1000.0, 1010.0, "compute", "aten::randn"), (1900.0, 2500.0, "compute", "nn.Module: Linear")]
+    assert named(late_forward, 1000.0) == "aten::randn"
+    soon_forward = [late_forward[0], (1100.0, 1200.0, "compute", "nn.Module: Linear")]
+    assert named(soon_forward, 1000.0).startswith("the forward")
+    assert named(seed_then_engine, 3000.0) == "the end of the step"
 
 
 # ---------------------------------------------------------------- on a world

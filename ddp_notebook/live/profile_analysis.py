@@ -282,13 +282,16 @@ def _kind(name: str) -> str:
 
 def _what_follows(ops: list[tuple[float, float, str, str]], starts: list[float], at: float, finish: float) -> str:
     """What the training thread began as an idle stretch ended at `at`, in the words of a training
-    step: the first of the next few ops (within 0.2 ms) that says which part of the step it is
-    (backward begins with its seed gradient, `aten::ones_like`), else the first op's name."""
+    step: the first of the next few ops (within 0.2 ms, or at any time after a seed gradient) that
+    says which part of the step it is (backward begins with its seed gradient,
+    `aten::ones_like`), else the first op's name."""
     i = bisect.bisect_left(starts, at - 0.001)
     if i >= len(ops) or ops[i][0] >= finish:
         return "the end of the step"
-    for start, _, _, name in ops[i : i + 6]:
-        if start > at + 200:
+    # a seed gradient is followed by the engine's ops however long a loaded machine takes to start them
+    window = float("inf") if ops[i][3] == "aten::ones_like" else 200.0
+    for start, _, _, name in ops[i : i + 8]:
+        if start > at + window:
             break
         label = _label(name)
         if label != name:

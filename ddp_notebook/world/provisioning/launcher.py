@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 import time
 from collections import Counter
@@ -15,7 +16,10 @@ from ...platform.processes import SLOT_ENV
 from ...wire.results import Death, RankInfo
 from .. import launchers
 from ..config import is_loopback
+from . import ssh_hosts
 from .controlled import ControlledProvisioner, launchers_of, runs_elsewhere
+from .remote_logs import RemoteLogs
+from .ssh_hosts import ConcurrentSSHEngineSetLauncher
 
 log = logging.getLogger("ddp_notebook")
 
@@ -42,6 +46,7 @@ class LauncherProvisioner(ControlledProvisioner):
         # (hostname, pid) of a rank process -> the host of the --hosts list it was started on
         self.listed_host: dict[tuple[str, int], str] = {}
         self._engine_sets = itertools.count(1)
+        self.remote_logs = RemoteLogs()  # each SSH rank's log on its host, removed when the rank ends
 
     @property
     def starts_ranks(self) -> bool:  # type: ignore[override]
@@ -55,11 +60,18 @@ class LauncherProvisioner(ControlledProvisioner):
         context = launchers.LaunchContext(python=launch.python, private_dir=self.private_dir)
         settings = Config(launchers.world_defaults(launch.launcher, context))
         settings.merge(Config({name: dict(traits) for name, traits in launch.settings.items()}))
-        self.make_cluster(
-            engines=launch.launcher,
-            config=settings,
-            **({"profile": launch.profile} if launch.profile else {}),
-        )
+        engines: Any = launch.launcher
+        opening: list[Any] = []
+        if launch.launcher == "ssh":
+            engines, opening = ConcurrentSSHEngineSetLauncher, self._share_ssh_connections(settings)
+        try:
+            self.make_cluster(
+                engines=engines,
+                config=settings,
+                **({"profile": launch.profile} if launch.profile else {}),
+            )
+        finally:
+            ssh_hosts.wait_opened(opening)  # opened while the controller started
         # the connection info (with the key) goes to the engines in their environment, so no
         # file has to be copied to their hosts; the nanny lets ranks elsewhere be interrupted.
         # An SSH hosts list with more slots than ranks starts the first ones (n is its limit).
@@ -72,6 +84,24 @@ class LauncherProvisioner(ControlledProvisioner):
         )
         self.client = self.cluster.connect_client_sync()
         return self.client
+
+    def _share_ssh_connections(self, settings: Any) -> list[Any]:
+        """Every ssh and scp of this world to a host over one connection (unless the user's own
+        ssh arguments say how to share them); the masters start opening now, one per host at once."""
+        user_args = list(settings.SSHLauncher.get("ssh_args", []))
+        sharing = ssh_hosts.sharing_options(self._ssh_folder(), user_args)
+        if not sharing:
+            return []
+        settings.SSHLauncher.ssh_args = sharing + user_args
+        settings.SSHLauncher.scp_args = sharing + list(settings.SSHLauncher.get("scp_args", []))
+        hosts = launchers.ssh_slots(self.config.launch.settings)
+        ssh_cmd = list(settings.SSHLauncher.get("ssh_cmd", ["ssh"]))
+        return ssh_hosts.open_masters(ssh_cmd, settings.SSHLauncher.ssh_args, hosts)
+
+    def _ssh_folder(self) -> str:
+        folder = os.path.join(self.private_dir, "ssh")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return folder
 
     def _environment(self) -> dict[str, str]:
         cfg = self.config
@@ -89,6 +119,8 @@ class LauncherProvisioner(ControlledProvisioner):
         listed: dict[int, list[tuple[str, str]]] = {}  # pid -> [(host as listed, its hostname)]
         for engine_set in self.cluster.engines.values():
             for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items():
+                if runs_elsewhere(launcher):
+                    self.remote_logs.watch(launcher)
                 if runs_elsewhere(launcher) and getattr(launcher, "pid", -1) > 0:
                     host = str(identifier).rpartition("/")[0]  # ipyparallel names them HOST/INDEX
                     listed.setdefault(launcher.pid, []).append((host, str(getattr(launcher, "hostname", ""))))
@@ -168,6 +200,14 @@ class LauncherProvisioner(ControlledProvisioner):
         left = [info for info in infos if info.engine_id in set(self.client.ids)]
         if left:
             self.signal(left, signal.SIGKILL)
+
+    def stop(self) -> None:
+        super().stop()
+        self.remote_logs.close()  # the ranks' logs on their hosts: removed as each rank ended
+        if self.config.launch.launcher == "ssh":
+            left = ssh_hosts.end_masters(os.path.join(self.private_dir, "ssh"))
+            if left:  # each ends by itself once idle
+                log.debug("shared ssh connections that did not end at once: %s", left)
 
     def start_failure(self) -> str | None:
         return self.describe_start_exit(f"the {self.config.launch.launcher} launcher", WORLD_ENGINE_SET)
