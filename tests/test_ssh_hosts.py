@@ -4,12 +4,20 @@ ended on the network-namespace hosts) runs in tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
-from ddp_notebook.world.provisioning.ssh_hosts import _HostStarts, host_arguments, sharing_options
+from ddp_notebook.world.provisioning.ssh_hosts import (
+    _HostStarts,
+    _QueuedSSHEngineLauncher,
+    host_arguments,
+    sharing_options,
+)
 
 
 def test_a_worlds_sessions_share_a_connection_unless_the_user_says_how() -> None:
@@ -81,3 +89,39 @@ def test_a_host_that_fails_stops_its_own_starts_and_its_error_is_raised() -> Non
     with pytest.raises(RuntimeError, match="remote shell"):
         starts.run()
     assert "bad/1" not in ran and "good/0" in ran
+
+
+class RecordingEngine(_QueuedSSHEngineLauncher):
+    """The stop's logic, with ipyparallel's ssh steps (signal, join) recorded instead of run."""
+
+    def __init__(self, joins: list[BaseException | None]) -> None:
+        super().__init__()
+        self.joins, self.sent, self.waits = joins, [], []
+
+    def signal(self, sig: int) -> None:
+        self.sent.append(sig)
+        if sig == signal.SIGTERM:
+            raise subprocess.CalledProcessError(1, ["ssh"])  # e.g. the process was gone already
+
+    async def join(self, timeout: float | None = None) -> None:
+        self.waits.append(timeout)
+        outcome = self.joins.pop(0)
+        if outcome is not None:
+            raise outcome
+
+
+@pytest.mark.parametrize(
+    ("joins", "sent"),
+    [
+        ([None], [signal.SIGTERM]),  # exited after SIGTERM (its signal's failure changes nothing)
+        ([TimeoutError("still running")], [signal.SIGTERM, signal.SIGKILL]),  # stopped or hung
+        ([subprocess.CalledProcessError(255, ["ssh"]), None], [signal.SIGTERM, signal.SIGKILL]),  # ssh failed
+    ],
+)
+def test_an_engine_still_there_after_sigterm_gets_sigkill_whatever_the_wait_met(
+    joins: list[BaseException | None], sent: list[int]
+) -> None:
+    engine = RecordingEngine([*joins, TimeoutError("still running")])
+    asyncio.run(engine.stop())
+    assert engine.sent == sent
+    assert engine.waits[0] == 2  # not ipyparallel's 5 s: the world asked its ranks to exit before

@@ -359,6 +359,12 @@ def test_live_view_shows_the_xray_while_a_rank_waits_and_hides_it_after(comms: l
     assert "<td>1</td><td>all_reduce #7 [4]</td><td>2</td><td>4.2 s</td>" in html
     assert "<td>0</td><td>in no collective</td><td>5</td><td>-</td>" in html
     assert "ranks 0, 1 · running" in view.header.value  # made by the X-ray, before any rank's message
+    # a reading rank 0 did not answer (a loaded machine): its row stays, with what it said last
+    clock.advance(1)
+    feed.collectives({1: waiting_in(1, 5.2, seq=7, line=2)})
+    html, _ = panels(comms, view)["xray"]
+    assert "<td>1</td><td>all_reduce #7 [4]</td><td>2</td><td>5.2 s</td>" in html
+    assert "<td>0</td><td>in no collective</td><td>5</td><td>-</td>" in html
     clock.advance(1)
     feed.collectives({0: waiting_in(0, 0.0, seq=8), 1: waiting_in(1, 0.0, seq=8)})
     assert panels(comms, view)["xray"] == ("", "none")

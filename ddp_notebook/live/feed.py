@@ -300,7 +300,8 @@ class Feed:
         if self.finished:
             return
         was_shown = bool(self.waiting)
-        self.collective_readings = dict(readings)
+        # a rank that did not answer this reading (a busy machine) keeps its last one in the view
+        self.collective_readings = {**self.collective_readings, **readings}
         shown = bool(self.waiting)
         if not (shown or was_shown):
             return

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -132,6 +133,29 @@ class LauncherProvisioner(ControlledProvisioner):
             if len(found) == 1:
                 self.listed_host[(identity.host, identity.pid)] = found[0]
 
+    def end_lost(self, ranks: Iterable[RankInfo]) -> None:
+        """Lost ranks on this host by PID; a lost rank elsewhere through its launcher, off this
+        thread (its host may not answer): a stopped or hung process would otherwise wait for the
+        world's stop, whose bound its SIGTERM, wait and SIGKILL over ssh may not fit."""
+        lost = list(ranks)
+        super().end_lost(lost)
+        for launcher in self._launchers_of(lost):
+            threading.Thread(target=_kill_quietly, args=(launcher,), name="ddp-end-lost", daemon=True).start()
+
+    def _launchers_of(self, ranks: Iterable[RankInfo]) -> list[Any]:
+        """The running launchers on other hosts of `ranks` (matched by PID and host, as `learn` does)."""
+        if self.cluster is None:
+            return []
+        found = []
+        for info in ranks:
+            listed = self.listed_host.get((info.host, info.pid))
+            for engine_set in self.cluster.engines.values():
+                for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items():
+                    host = str(identifier).rpartition("/")[0]
+                    if runs_elsewhere(launcher) and getattr(launcher, "pid", -1) == info.pid and host == listed:
+                        found.append(launcher)
+        return found
+
     def add(
         self,
         slots: Iterable[int],
@@ -250,6 +274,13 @@ class LauncherProvisioner(ControlledProvisioner):
                 where = getattr(launcher, "location", "") or getattr(launcher, "identifier", "a rank")
                 said.append(f"{where} said: " + " | ".join(lines[-OUTPUT_LINES:]))
         return said
+
+
+def _kill_quietly(launcher: Any) -> None:
+    try:
+        launcher.signal(signal.SIGKILL)  # its engine's waiting thread then sees it end, and reads its log
+    except Exception:
+        log.debug("ending a lost rank through its launcher failed", exc_info=True)
 
 
 def _not_registered_or_gave_up(lines: list[str]) -> bool:

@@ -9,7 +9,7 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
   world's private folder; the world's stop ends each master, and a master left by a kernel that
   died ends by itself `PERSIST_SECONDS` after its last session. Where the user's own `--ssh-args`
   already say how to share connections, theirs are kept as they are;
-- the hosts start at once, as ipyparallel's own launchers (selected like any engine launcher): the
+- the hosts start, and stop, at once, as ipyparallel's own launchers (selected like any engine launcher): the
   first engine of each host alone (it makes the remote profile folder), then the rest of that
   host's engines together. Each engine is told its rank (the list's order), as ipyparallel's
   one-after-another start made it: rank 0 on the first host, whichever registers first.
@@ -17,9 +17,11 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -27,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
+from traitlets import Integer
 
 from ...platform.processes import SLOT_ENV
 
@@ -164,7 +167,8 @@ def _together(jobs: Sequence[Callable[[], None]]) -> None:
 
 class _QueuedSSHEngineLauncher(SSHEngineLauncher):
     """ipyparallel's SSH engine launcher whose start is queued by its engine set, which runs the
-    queue host by host at once."""
+    queue host by host at once; and whose stop signals and whose log is read off the engine set's
+    event loop, so that the engines of a set stop at once too."""
 
     def start(self, hostname: Any = None, user: Any = None, port: Any = None) -> None:
         self.loop  # noqa: B018  (bound to the engine set's loop, not the thread that starts it)
@@ -175,9 +179,43 @@ class _QueuedSSHEngineLauncher(SSHEngineLauncher):
         real_start = super().start
         queue.add(f"{user or ''}@{hostname}:{port or ''}", lambda: real_start(hostname=hostname, user=user, port=port))
 
+    # the world asked its ranks to exit through the controller before any launcher stops: an engine
+    # still there is stopped or hung (ipyparallel waits 5 s after SIGTERM, one engine after another)
+    stop_seconds_until_kill = Integer(2, config=True, help="seconds from SIGTERM to SIGKILL at stop")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reading = threading.Lock()  # the waiting thread and a join's thread may both read the log
+
+    def wait_one(self, timeout: float) -> int:
+        code: int = super().wait_one(timeout)  # raises TimeoutError while the engine runs
+        # ended: its log is read (and removed from its host) here, in this engine's waiting thread;
+        # ipyparallel reads it on the engine set's loop, engine after engine, and keeps what it read.
+        # Whether that worked changes nothing about how the engine ended
+        try:
+            with self.reading:
+                self.get_output(remove=True)
+        except Exception:
+            log.debug("reading the log of rank %s on %s failed", self.pid, self.location, exc_info=True)
+        return code
+
+    async def stop(self) -> None:
+        # ipyparallel signals over ssh on the engine set's loop (0.6 s an engine, one after another)
+        # and gives up at the first ssh that fails; here SIGKILL follows whatever SIGTERM's wait met
+        for signum, seconds in ((signal.SIGTERM, self.stop_seconds_until_kill), (signal.SIGKILL, self.stop_timeout)):
+            try:
+                await asyncio.to_thread(self.signal, signum)
+            except Exception:
+                log.debug("signal %s over ssh failed", signum, exc_info=True)
+            try:
+                await self.join(timeout=seconds)
+                return
+            except Exception:  # TimeoutError: still running; else ssh did not answer
+                log.debug("rank %s on %s still there after signal %s", self.pid, self.location, signum, exc_info=True)
+
 
 class ConcurrentSSHEngineSetLauncher(SSHEngineSetLauncher):
-    """ipyparallel's SSH engine set, starting its hosts at once."""
+    """ipyparallel's SSH engine set, starting (and, through its engines, stopping) its hosts at once."""
 
     launcher_class = _QueuedSSHEngineLauncher
 
