@@ -153,6 +153,22 @@ def require_hub() -> None:
     missing = [tool for tool in REQUIRED_TOOLS if not _tool(tool)]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (installed by .ci/install)")
+    unreachable = _package_outside_this_folder()
+    if unreachable:
+        pytest.fail(unreachable, pytrace=False)
+
+
+def _package_outside_this_folder() -> str:
+    """Why the users' kernels would not import ddp_notebook ('' if they would): they start outside
+    this checkout, where only the installed package is found (an editable install that points to a
+    folder since moved fails there, in every user's traceback)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ddp_notebook"], cwd="/", capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode == 0:
+        return ""
+    said = (probe.stderr.strip().splitlines() or ["?"])[-1]
+    return f"the hub's users could not import ddp_notebook outside this folder ({said}): pip install -e . here"
 
 
 def _missing_module(name: str) -> bool:

@@ -19,7 +19,6 @@ from .. import launchers
 from ..config import is_loopback
 from . import ssh_hosts
 from .controlled import ControlledProvisioner, launchers_of, runs_elsewhere
-from .remote_logs import RemoteLogs
 from .ssh_hosts import ConcurrentSSHEngineSetLauncher
 
 log = logging.getLogger("ddp_notebook")
@@ -47,7 +46,6 @@ class LauncherProvisioner(ControlledProvisioner):
         # (hostname, pid) of a rank process -> the host of the --hosts list it was started on
         self.listed_host: dict[tuple[str, int], str] = {}
         self._engine_sets = itertools.count(1)
-        self.remote_logs = RemoteLogs()  # each SSH rank's log on its host, removed when the rank ends
 
     @property
     def starts_ranks(self) -> bool:  # type: ignore[override]
@@ -118,13 +116,9 @@ class LauncherProvisioner(ControlledProvisioner):
         if self.cluster is None:
             return
         listed: dict[int, list[tuple[str, str]]] = {}  # pid -> [(host as listed, its hostname)]
-        for engine_set in self.cluster.engines.values():
-            for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items():
-                if runs_elsewhere(launcher):
-                    self.remote_logs.watch(launcher)
-                if runs_elsewhere(launcher) and getattr(launcher, "pid", -1) > 0:
-                    host = str(identifier).rpartition("/")[0]  # ipyparallel names them HOST/INDEX
-                    listed.setdefault(launcher.pid, []).append((host, str(getattr(launcher, "hostname", ""))))
+        for host, launcher in self._remote_launchers():
+            if getattr(launcher, "pid", -1) > 0:
+                listed.setdefault(launcher.pid, []).append((host, str(getattr(launcher, "hostname", ""))))
         for identity in identities:
             candidates = listed.get(identity.pid, [])
             # PIDs of different hosts may coincide: the launcher whose hostname is the rank's wins
@@ -143,18 +137,24 @@ class LauncherProvisioner(ControlledProvisioner):
             threading.Thread(target=_kill_quietly, args=(launcher,), name="ddp-end-lost", daemon=True).start()
 
     def _launchers_of(self, ranks: Iterable[RankInfo]) -> list[Any]:
-        """The running launchers on other hosts of `ranks` (matched by PID and host, as `learn` does)."""
+        """The running launchers on other hosts of `ranks` (by PID and the host `learn` found)."""
+        return [
+            launcher
+            for info in ranks
+            for host, launcher in self._remote_launchers()
+            if getattr(launcher, "pid", -1) == info.pid and host == self.listed_host.get((info.host, info.pid))
+        ]
+
+    def _remote_launchers(self) -> list[tuple[str, Any]]:
+        """(host as listed, launcher) of each running engine launcher whose process is on another host."""
         if self.cluster is None:
             return []
-        found = []
-        for info in ranks:
-            listed = self.listed_host.get((info.host, info.pid))
-            for engine_set in self.cluster.engines.values():
-                for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items():
-                    host = str(identifier).rpartition("/")[0]
-                    if runs_elsewhere(launcher) and getattr(launcher, "pid", -1) == info.pid and host == listed:
-                        found.append(launcher)
-        return found
+        return [
+            (str(identifier).rpartition("/")[0], launcher)  # ipyparallel names them HOST/INDEX
+            for engine_set in self.cluster.engines.values()
+            for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items()
+            if runs_elsewhere(launcher)
+        ]
 
     def add(
         self,
@@ -227,7 +227,6 @@ class LauncherProvisioner(ControlledProvisioner):
 
     def stop(self) -> None:
         super().stop()
-        self.remote_logs.close()  # the ranks' logs on their hosts: removed as each rank ended
         if self.config.launch.launcher == "ssh":
             left = ssh_hosts.end_masters(os.path.join(self.private_dir, "ssh"))
             if left:  # each ends by itself once idle

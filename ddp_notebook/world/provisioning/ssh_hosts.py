@@ -9,10 +9,13 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
   world's private folder; the world's stop ends each master, and a master left by a kernel that
   died ends by itself `PERSIST_SECONDS` after its last session. Where the user's own `--ssh-args`
   already say how to share connections, theirs are kept as they are;
-- the hosts start, and stop, at once, as ipyparallel's own launchers (selected like any engine launcher): the
-  first engine of each host alone (it makes the remote profile folder), then the rest of that
-  host's engines together. Each engine is told its rank (the list's order), as ipyparallel's
-  one-after-another start made it: rank 0 on the first host, whichever registers first.
+- each rank's log on its host is read and removed as soon as the rank ends (ipyparallel removed only
+  the logs of the ranks it stopped itself: not of a rank lost and replaced, or left in a resize);
+- the hosts start, and stop, at once, as ipyparallel's own launchers (selected like any engine
+  launcher): the first engine of each host alone (it makes the remote profile folder), then the
+  rest of that host's engines together. Each engine is told its rank (the list's order), as
+  ipyparallel's one-after-another start made it: rank 0 on the first host, whichever registers
+  first.
 """
 
 from __future__ import annotations
@@ -67,61 +70,49 @@ def host_arguments(listed: str) -> list[str]:
     return ["-p", port, location] if port else [location]
 
 
-def open_masters(
-    ssh_cmd: Sequence[str], ssh_args: Sequence[str], hosts: Iterable[str]
-) -> list[subprocess.Popen[bytes]]:
+def open_masters(ssh_cmd: Sequence[str], ssh_args: Sequence[str], hosts: Iterable[str]) -> list[Any]:
     """Start a session to each host at once (each becomes its host's master); `wait_opened` waits."""
     sessions = []
     for host in hosts:
-        command = [*ssh_cmd, *ssh_args, "-o", "BatchMode=yes", *host_arguments(host), "true"]
         try:
-            # nothing of ours is captured: a master keeps what it was given open for its life
-            sessions.append(
-                subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                )
-            )
+            sessions.append(_quiet([*ssh_cmd, *ssh_args, "-o", "BatchMode=yes", *host_arguments(host), "true"]))
         except OSError:
             log.debug("opening a shared ssh connection to %s failed", host, exc_info=True)
     return sessions
 
 
-def wait_opened(sessions: Sequence[subprocess.Popen[bytes]], seconds: float = OPEN_SECONDS) -> None:
+def wait_opened(sessions: Sequence[Any], seconds: float = OPEN_SECONDS) -> None:
     """Wait for the sessions `open_masters` started; one that takes too long is ended (ipyparallel's
     own steps then connect, and say what went wrong)."""
-    deadline = time.monotonic() + seconds
-    for session in sessions:
-        try:
-            session.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            session.kill()
-            session.wait()
+    _wait_or_kill(sessions, time.monotonic() + seconds)
 
 
 def end_masters(folder: str, ssh_cmd: Sequence[str] = ("ssh",), seconds: float = END_SECONDS) -> list[str]:
     """Ask every master whose socket is in `folder` to end; the sockets it could not end (none when all went)."""
-    asked = []
-    for path in sorted(glob.glob(os.path.join(folder, f"{_SOCKET_PREFIX}*"))):
-        # the socket names its master: the host argument is not used for a control command
-        command = [*ssh_cmd, "-o", f"ControlPath={path}", "-O", "exit", "ddp-notebook-master"]
-        asked.append(
-            (
-                path,
-                subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                ),
-            )
-        )
     deadline = time.monotonic() + seconds
-    for _, asking in asked:
-        try:
-            asking.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            asking.kill()
-            asking.wait()
-    while time.monotonic() < deadline and any(os.path.exists(path) for path, _ in asked):
+    sockets = sorted(glob.glob(os.path.join(folder, f"{_SOCKET_PREFIX}*")))
+    # the socket names its master: the host argument is not used for a control command
+    _wait_or_kill(
+        [_quiet([*ssh_cmd, "-o", f"ControlPath={path}", "-O", "exit", "ddp-notebook-master"]) for path in sockets],
+        deadline,
+    )
+    while time.monotonic() < deadline and any(os.path.exists(path) for path in sockets):
         time.sleep(0.02)  # a master removes its socket as it ends
-    return [path for path, _ in asked if os.path.exists(path)]
+    return [path for path in sockets if os.path.exists(path)]
+
+
+def _quiet(command: list[str]) -> subprocess.Popen[bytes]:
+    devnull = subprocess.DEVNULL  # nothing captured: a master keeps what it was given open for its life
+    return subprocess.Popen(command, stdin=devnull, stdout=devnull, stderr=devnull)
+
+
+def _wait_or_kill(children: Sequence[subprocess.Popen[bytes]], deadline: float) -> None:
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 class _HostStarts:
