@@ -88,6 +88,7 @@ class LauncherProvisioner(ControlledProvisioner):
         """Every ssh and scp of this world to a host over one connection (unless the user's own
         ssh arguments say how to share them); the masters start opening now, one per host at once."""
         user_args = list(settings.SSHLauncher.get("ssh_args", []))
+        os.makedirs(self._ssh_folder(), mode=0o700, exist_ok=True)
         sharing = ssh_hosts.sharing_options(self._ssh_folder(), user_args)
         if not sharing:
             return []
@@ -98,9 +99,8 @@ class LauncherProvisioner(ControlledProvisioner):
         return ssh_hosts.open_masters(ssh_cmd, settings.SSHLauncher.ssh_args, hosts)
 
     def _ssh_folder(self) -> str:
-        folder = os.path.join(self.private_dir, "ssh")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        return folder
+        """Where the shared connections' sockets are: in the world's private folder."""
+        return os.path.join(self.private_dir, "ssh")
 
     def _environment(self) -> dict[str, str]:
         cfg = self.config
@@ -228,7 +228,7 @@ class LauncherProvisioner(ControlledProvisioner):
     def stop(self) -> None:
         super().stop()
         if self.config.launch.launcher == "ssh":
-            left = ssh_hosts.end_masters(os.path.join(self.private_dir, "ssh"))
+            left = ssh_hosts.end_masters(self._ssh_folder())
             if left:  # each ends by itself once idle
                 log.debug("shared ssh connections that did not end at once: %s", left)
 
