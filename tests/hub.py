@@ -278,13 +278,21 @@ def _remove(record: _Record) -> list[str]:
 
 def _make_cgroup_parent(record: _Record) -> Path:
     """A memory cgroup the config makes each user's in (v2: with memory delegated to them)."""
-    cgroup, _ = memory_cgroup.make(f"ddphub-{record.run_id}")
-    record.cgroup = str(cgroup.directory)
-    record.save()
+    return make_cgroup_parent(f"ddphub-{record.run_id}", record)
+
+
+def make_cgroup_parent(name: str, record: _Record | None = None) -> Path:
+    """A memory cgroup for the config's per-user cgroups (v2: with memory delegated to them);
+    noted in `record`, if given, before anything can fail."""
+    cgroup, _ = memory_cgroup.make(name)
+    if record is not None:
+        record.cgroup = str(cgroup.directory)
+        record.save()
     if cgroup.version == 2:
         try:
             (cgroup.directory / "cgroup.subtree_control").write_text("+memory")
         except OSError as failure:
+            memory_cgroup.remove(cgroup.directory)
             raise memory_cgroup.Unavailable(f"cannot delegate memory below {cgroup.directory}: {failure}") from None
     return cgroup.directory
 

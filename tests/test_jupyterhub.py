@@ -5,11 +5,14 @@ jupyterhub-idle-culler service stopping a server whose kernel holds a world."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from tests import hub as hub_module
+from tests import memory_cgroup
 from tests.conftest import owned_pids, pid_alive
 from tests.hub import Hub, HubKernel, culler_setting, run_in_threads
 from tests.test_ddp_correctness import BATCH_PER_RANK, LR, MODEL_CODE, STEPS, train_single_process
@@ -422,6 +426,69 @@ def test_a_users_memory_limit_is_what_ddp_start_reads(hub: Hub) -> None:
     assert not cgroup.exists(), "the user's cgroup outlived the server"
 
 
+def config_hooks(monkeypatch: pytest.MonkeyPatch, cgroup_parent: Path) -> tuple[Any, Any]:
+    """The pre-spawn and post-stop hooks of the docs' hub config, as the hub loads them."""
+    from traitlets.config import Config
+
+    environment = {"HUB_CGROUP_PARENT": str(cgroup_parent), "HUB_MEMORY_LIMIT": str(hub_module.MEMORY_LIMIT)}
+    for name in ("HUB_PUBLIC_PORT", "HUB_PORT", "HUB_PROXY_API_PORT"):
+        environment[name] = "1"
+    environment.update(HUB_USER_PASSWORD="unused", HUB_USERS="ddphub-a", HUB_ADMIN_TOKEN="unused")
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = Config()
+    exec(compile(hub_module.hub_config_text(), "jupyterhub_config.py", "exec"), {"get_config": lambda: config})
+    return config.Spawner.pre_spawn_hook, config.Spawner.post_stop_hook
+
+
+def test_a_server_started_again_while_its_cgroup_is_being_removed_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop's hook removes the user's cgroup once its last process exits; the user's next start
+    must not lose the cgroup its server is about to enter (a hub's 500, "Exception occurred in
+    preexec_fn", when a stopped world's rank exited between that start's hook and its server)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: makes cgroups")
+    pytest.importorskip("jupyterhub")
+    try:
+        parent = hub_module.make_cgroup_parent(f"ddphub-restart-{os.getpid()}")
+    except memory_cgroup.Unavailable as why:
+        pytest.skip(f"no memory cgroup here: {why}")
+    lingering = None
+    try:
+        pre_spawn, post_stop = config_hooks(monkeypatch, parent)
+        spawner = SimpleNamespace(user=SimpleNamespace(name="ddphub-a"))
+        cgroup = parent / "jupyter-ddphub-a"
+        pre_spawn(spawner)
+        # a process of the stopped server that outlives the stop (a rank exiting) keeps it in use
+        lingering = subprocess.Popen(["sleep", "60"])
+        (cgroup / "cgroup.procs").write_text(str(lingering.pid))
+        post_stop(spawner)
+        time.sleep(0.3)  # the removal is waiting
+        pre_spawn(spawner)  # the user's server starts again
+        lingering.kill()
+        lingering.wait(timeout=10)
+        time.sleep(1.0)  # the removal tries every 0.1 s
+        assert cgroup.is_dir(), "the cgroup of a server starting again was removed under it"
+        server = subprocess.Popen(["sleep", "60"])  # what the spawner's preexec_fn does
+        try:
+            (cgroup / "cgroup.procs").write_text(str(server.pid))
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+        # that server's stop removes it once it is empty
+        post_stop(spawner)
+        deadline = time.monotonic() + 30
+        while cgroup.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not cgroup.exists(), "the user's cgroup outlived the server"
+    finally:
+        if lingering is not None and lingering.poll() is None:
+            lingering.kill()
+            lingering.wait(timeout=10)
+        for folder in [*parent.glob("jupyter-*"), parent]:
+            if folder.is_dir():
+                memory_cgroup.remove(folder)
+
+
 def test_the_idle_culler_stops_a_server_and_its_world_with_it(hub: Hub) -> None:
     name = next(iter(hub.users))
     user = hub.users[name]
@@ -522,7 +589,6 @@ FIRST_CELL_RUNS_JS = """() => {
 
 def write_user_file(user: hub_module.HubUser, relative: str, text: str) -> Path:
     """A file in the user's home, owned by the user (and the folders made for it)."""
-    import os
     import pwd
 
     gid = pwd.getpwnam(user.name).pw_gid
