@@ -26,8 +26,20 @@ fault after which they differ.
 Printed per kind of fault: injected, survived (the world healthy again and the run going on),
 seconds from the fault to the world ready again (p50, p95), steps redone (the steps trained past
 the snapshot it went back to, where rank 0 could say). At the end every process the world
-started must be gone. Not injected here: a host's link going down (`tests/test_multinode.py`
-does, as root, on network-namespace hosts, and ends bitwise equal to a fault-free run).
+started must be gone.
+
+With `--hosts` (as root; the Debian packages .ci/install adds): the world runs across three
+"hosts" made of network namespaces with an sshd each (tests/multihost.py), started by the SSH
+launcher over a hosts list of RANKS-1 slots on the first, one on the second and RANKS-1 spare ones
+on the third (the first RANKS-1 ranks on host 1, the last on host 2). A lost rank comes back on
+its own host where only its process died, or on the list's first free slot where its host went
+silent; and one more kind of fault is drawn:
+
+- `link`: the link of a host that holds ranks (not rank 0's: its host is the world's rendezvous)
+  goes down at a random moment of the cell, and comes back up once the cell has ended; the ranks
+  cut off there are SIGKILLed then (their host would end them at the world's stop).
+
+    python benchmarks/fault_storm.py --hosts [--ranks 3] [--minutes 10] [--seed 1]
 """
 
 from __future__ import annotations
@@ -37,9 +49,13 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +64,8 @@ from harness import exit_on_sigterm, machine_info, percentile, print_table
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # ddp_notebook as installed, tests.conftest
 
-KINDS = ("kill", "raise", "skip", "interrupt", "stop", "oom")
+KINDS = ("kill", "raise", "skip", "interrupt", "stop", "oom", "link")
+HOST_KINDS = ("link",)  # drawn only where the ranks span hosts (--hosts)
 STOP_SECONDS = 12.0  # SIGSTOP past the controller's heartbeat limit (10 s)
 SNAPSHOT_EVERY = 5
 OOM_HEADROOM = 768 << 20  # the cgroup's limit: what the world used after its first epoch, plus this
@@ -98,7 +115,8 @@ class Fault:
     kind: str
     rank: int
     epoch: int
-    at: float  # seconds into the cell (kill, interrupt, stop) or the step (raise, skip)
+    at: float  # seconds into the cell (kill, interrupt, stop, link) or the step (raise, skip, oom)
+    host: str = ""  # link: the host taken off the network
     survived: bool = False
     recover_seconds: float | None = None
     steps_redone: int | None = None
@@ -108,6 +126,7 @@ class Fault:
 
 @dataclass
 class Storm:
+    hosts: list[str] = field(default_factory=list)  # --hosts: the namespace hosts' names
     faults: list[Fault] = field(default_factory=list)
     epochs: int = 0
     cells: int = 0
@@ -122,15 +141,22 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--samples", type=int, default=1536, help="samples in the data set (one epoch per cell)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="the faults to draw from")
+    parser.add_argument("--kinds", default=None, help="the faults to draw from (default: every kind that applies)")
+    parser.add_argument("--hosts", action="store_true", help="ranks across three network-namespace hosts (root)")
     parser.add_argument("--faults", type=int, default=None, help="end after this many faults (default: at the time)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     exit_on_sigterm()
-    kinds = [kind for kind in args.kinds.split(",") if kind]
+    kinds = [kind for kind in (args.kinds or "").split(",") if kind] or [
+        kind for kind in KINDS if args.hosts or kind not in HOST_KINDS
+    ]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown fault kinds {unknown}; choose from {', '.join(KINDS)}")
+    if not args.hosts and set(kinds) & set(HOST_KINDS):
+        parser.error(f"{', '.join(HOST_KINDS)} faults need ranks on several hosts: add --hosts")
+    if args.hosts and os.geteuid() != 0:
+        parser.error("--hosts makes network namespaces and runs an sshd in each: run it as root")
     from tests import memory_cgroup
 
     cgroup = home = None
@@ -139,12 +165,14 @@ def main() -> int:
             cgroup, home = memory_cgroup.make(f"ddp-fault-storm-{os.getpid()}")
             memory_cgroup.enter(cgroup, os.getpid())
         except (memory_cgroup.Unavailable, OSError) as why:
-            if args.kinds != parser.get_default("kinds"):
+            if args.kinds:
                 parser.error(f"oom faults need a memory cgroup of their own: {why}")
             kinds.remove("oom")
             print(f"oom: not injected ({why})", flush=True)
     try:
-        storm = run_storm(args.ranks, args.minutes * 60, args.seed, args.samples, kinds, args.faults, cgroup)
+        storm = run_storm(
+            args.ranks, args.minutes * 60, args.seed, args.samples, kinds, args.faults, cgroup, args.hosts
+        )
     finally:
         if cgroup is not None and home is not None:
             home.write_text(str(os.getpid()))
@@ -161,43 +189,82 @@ def run_storm(
     kinds: list[str],
     most: int | None = None,
     cgroup: Any = None,
+    hosts: bool = False,
 ) -> Storm:
-    from ddp_notebook import DDPCluster
     from tests.conftest import wait_gone
 
     schedule = random.Random(seed)
     storm = Storm()
-    world = DDPCluster(ranks, backend="gloo", timeout=60, on_loss="replace", max_restarts=10_000)
-    world.start()
-    started: set[int] = set(world.all_pids)
-    try:
-        world.execute(_build("", samples) + TRACK, setup=True, stream=False)
-        deadline = time.monotonic() + seconds
-        cell_seconds = _timed_epoch(world, storm)  # a first epoch without a fault: how long a cell takes
-        if cgroup is not None:
-            from tests import memory_cgroup
-
-            memory_cgroup.set_limit(cgroup, (cgroup.memory_used() or 0) + OOM_HEADROOM)
-        while time.monotonic() < deadline and (most is None or len(storm.faults) < most):
-            kind = schedule.choice([*kinds, "none"]) if kinds else "none"
-            if kind == "none":
-                _train(world, storm.epochs + 1)
-                storm.epochs += 1
-                storm.cells += 1
-                continue
-            fault = _draw(schedule, len(storm.faults) + 1, kind, world.world_size, storm.epochs, cell_seconds, samples)
-            storm.faults.append(fault)
-            _inject(world, fault, storm)
+    with _world(ranks, hosts) as (world, network):
+        storm.hosts = [host.name for host in network] if network is not None else []
+        started: set[int] = set()
+        try:
+            _storm(world, network, storm, schedule, seconds, samples, kinds, most, cgroup, started)
+        finally:
             started.update(world.all_pids)
-            if not fault.survived:
-                break
-        if all(fault.survived for fault in storm.faults):
-            storm.equal, storm.first_difference = _compare(world, storm, samples)
-        started.update(world.all_pids)
-    finally:
-        world.stop()
-    storm.leftovers = wait_gone(sorted(started), 30)
+            world.stop()
+        storm.leftovers = wait_gone(sorted(started), 30)
     return storm
+
+
+@contextmanager
+def _world(ranks: int, hosts: bool) -> Iterator[tuple[Any, Any]]:
+    """(a started world, the namespace hosts or None): on this machine, or across three hosts."""
+    from ddp_notebook import DDPCluster, InsecureNetworkWarning
+
+    settings: dict[str, Any] = {"backend": "gloo", "timeout": 60, "on_loss": "replace", "max_restarts": 10_000}
+    if not hosts:
+        yield DDPCluster(ranks, **settings).start(), None
+        return
+    from tests.multihost import network_namespaces, ssh_hosts
+
+    with network_namespaces(3) as network, ssh_hosts(network) as ssh, warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)  # a bridge of this machine's own
+        first, second, spare = (host.name for host in network)
+        slots = f"{first}:{ranks - 1},{second}:1,{spare}:{ranks - 1}"
+        world = DDPCluster(
+            ranks, launcher="ssh", hosts=slots, ssh_args=ssh.ssh_args, ip=network.address, start_timeout=120, **settings
+        )
+        yield world.start(), network
+
+
+def _storm(
+    world: Any,
+    network: Any,
+    storm: Storm,
+    schedule: random.Random,
+    seconds: float,
+    samples: int,
+    kinds: list[str],
+    most: int | None,
+    cgroup: Any,
+    started: set[int],
+) -> None:
+    started.update(world.all_pids)
+    world.execute(_build("", samples) + TRACK, setup=True, stream=False)
+    deadline = time.monotonic() + seconds
+    cell_seconds = _timed_epoch(world, storm)  # a first epoch without a fault: how long a cell takes
+    if cgroup is not None:
+        from tests import memory_cgroup
+
+        memory_cgroup.set_limit(cgroup, (cgroup.memory_used() or 0) + OOM_HEADROOM)
+    while time.monotonic() < deadline and (most is None or len(storm.faults) < most):
+        kind = schedule.choice([*kinds, "none"]) if kinds else "none"
+        if kind == "none":
+            _train(world, storm.epochs + 1)
+            storm.epochs += 1
+            storm.cells += 1
+            continue
+        fault = _draw(schedule, len(storm.faults) + 1, kind, world.world_size, storm.epochs, cell_seconds, samples)
+        if kind == "link":
+            fault.rank, fault.host = _link_victim(schedule, world)
+        storm.faults.append(fault)
+        _inject(world, fault, storm, network)
+        started.update(world.all_pids)
+        if not fault.survived:
+            break
+    if all(fault.survived for fault in storm.faults):
+        storm.equal, storm.first_difference = _compare(world, storm, samples)
 
 
 def _build(prefix: str, samples: int) -> str:
@@ -235,12 +302,23 @@ def _draw(schedule: random.Random, number: int, kind: str, size: int, epochs: in
     return Fault(number, kind, rank, epochs, round(at, 3))
 
 
-def _inject(world: Any, fault: Fault, storm: Storm) -> None:
+def _link_victim(schedule: random.Random, world: Any) -> tuple[int, str]:
+    """(a rank, its host): a host that holds ranks, not rank 0's."""
+    rank_0_host = world.ranks[0].host
+    rank = schedule.choice([r for r, info in enumerate(world.ranks) if info.host != rank_0_host])
+    return rank, world.ranks[rank].host
+
+
+def _inject(world: Any, fault: Fault, storm: Storm, network: Any = None) -> None:
     """Run one cell with `fault`, then recover and finish the epoch; records how it went."""
     began = time.monotonic()
     timer: threading.Timer | None = None
     victim = world.ranks[fault.rank].pid
-    if fault.kind == "kill":
+    link = next(host for host in network if host.name == fault.host).veth if fault.kind == "link" else ""
+    cut_off = [info.pid for info in world.ranks if info.host == fault.host] if link else []
+    if fault.kind == "link":
+        timer = threading.Timer(fault.at, _set_link, (link, "down"))
+    elif fault.kind == "kill":
         timer = threading.Timer(fault.at, _signal, (victim, signal.SIGKILL))
     elif fault.kind == "interrupt":
         timer = threading.Timer(fault.at, world.interrupt)
@@ -257,7 +335,11 @@ def _inject(world: Any, fault: Fault, storm: Storm) -> None:
         fault.error = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
     if timer is not None:
         timer.join(STOP_SECONDS + 5)
-    injected_at = began + (fault.at if fault.kind in ("kill", "interrupt", "stop") else 0.0)
+    if link:  # back on the network; what ran there was cut off from the world: gone now
+        _set_link(link, "up")
+        for pid in cut_off:
+            _signal(pid, signal.SIGKILL)
+    injected_at = began + (fault.at if fault.kind in ("kill", "interrupt", "stop", "link") else 0.0)
     if failed_at is None:
         # the fault came after the cell ended (its moment drawn past the cell's end), or did not bite
         fault.survived = world.state == "healthy"
@@ -268,7 +350,7 @@ def _inject(world: Any, fault: Fault, storm: Storm) -> None:
     try:
         if world.state == "broken":
             raise RuntimeError("the world is broken after the fault")
-        if fault.kind not in ("kill", "stop", "oom"):  # a death: the comeback brought them back
+        if fault.kind not in ("kill", "stop", "oom", "link"):  # a death: the comeback brought them back
             fault.steps_redone = _back_to_snapshot(world)  # its first cell sets the group up again
         fault.recover_seconds = round(time.monotonic() - injected_at, 3)
         _train(world, storm.epochs + 1)  # the same cell again: it goes on from the snapshot
@@ -295,6 +377,10 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
+
+
+def _set_link(veth: str, state: str) -> None:
+    subprocess.run(["ip", "link", "set", veth, state], check=True, timeout=30)
 
 
 def _stop_then_continue(pid: int) -> None:
@@ -349,13 +435,16 @@ def report(storm: Storm, args: argparse.Namespace) -> None:
                 f"{sum(redone) / len(redone):.1f}" if redone else "-",
             ]
         )
-    print(f"{args.ranks} ranks, {args.minutes:g} min, seed {args.seed}: {storm.epochs} epochs in {storm.cells} cells")
+    where = f" across the namespace hosts {', '.join(storm.hosts)}" if storm.hosts else ""
+    print(
+        f"{args.ranks} ranks{where}, {args.minutes:g} min, seed {args.seed}: "
+        f"{storm.epochs} epochs in {storm.cells} cells"
+    )
     print_table(["fault", "injected", "survived", "recover p50 (s)", "recover p95 (s)", "steps redone (mean)"], rows)
     for fault in storm.faults:
         outcome = "survived" if fault.survived else f"NOT survived: {fault.problem}"
-        print(
-            f"#{fault.number} {fault.kind} on rank {fault.rank} at {fault.at:g}: {fault.error or 'no error'}; {outcome}"
-        )
+        on = f"rank {fault.rank}" + (f" (its host {fault.host})" if fault.host else "")
+        print(f"#{fault.number} {fault.kind} on {on} at {fault.at:g}: {fault.error or 'no error'}; {outcome}")
     verdict = (
         "bitwise equal to the fault-free run"
         if storm.equal

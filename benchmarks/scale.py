@@ -22,13 +22,17 @@ For each size, in a fresh Jupyter kernel driven as a notebook front end drives i
 - a rank's memory: the mean unique (USS) memory of the ranks, and so how many fit the memory free.
 
 With `--browser N`: the same streaming cell at N ranks in JupyterLab, drawn by a real chromium
-(Playwright): the time between the page's frames while the cell streams (median, 99th percentile,
-longest), the aggregate live view on screen.
+(Playwright), the aggregate live view on screen: the time between the page's frames from when rank
+0's loop began to when it ended (median, 99th percentile, longest; the first and the last frame
+measured against those times). Twice: chromium on a CPU of its own and everything else on the
+others (a browser on the user's own machine, as where the ranks run elsewhere), then chromium
+sharing every CPU with the kernel, JupyterLab and the N ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -187,8 +191,38 @@ COLUMNS = (
 )
 
 
-def browser_frames(n: int, seconds: float) -> dict[str, Any]:
-    """Frame gaps of JupyterLab's page while `n` simulated ranks stream into the live view."""
+# the page's frames as timestamps (a gap is only known once the next frame comes: the last one
+# is measured against the cell's end)
+FRAME_TIMES_JS = """() => {
+  window.__frameTimes = [];
+  const tick = (now) => { window.__frameTimes.push(now); requestAnimationFrame(tick); };
+  requestAnimationFrame(tick);
+}"""
+# printed by rank 0 around the streaming cell's loop, with the time (the cell's own text must not match)
+STREAM_MARK = re.compile(r"streaming (begins|ends) at (\d+\.\d+)")
+
+
+def marked_stream(steps: int, limit: float) -> str:
+    """STREAM, rank 0 printing when its loop begins and ends (time.time())."""
+    first, _, rest = STREAM.format(steps=steps, limit=limit).partition("\n")
+    body = rest.removeprefix("import time\n")
+    mark = "if rank == 0:\n    print('streaming', {!r}, 'at', f'{{time.time():.3f}}', flush=True)\n"
+    return f"{first}\nimport time\n{mark.format('begins')}{body}{mark.format('ends')}"
+
+
+def frame_gaps(times: list[float], begins: float, ends: float) -> list[tuple[float, float]]:
+    """The gaps between the frames drawn from `begins` to `ends`, both ends included as bounds:
+    (gap, when it began, from `begins`), in ms, shortest first."""
+    inside = [t for t in times if begins <= t <= ends]
+    bounds = [begins, *inside, ends]
+    return sorted((later - earlier, earlier - begins) for earlier, later in itertools.pairwise(bounds))
+
+
+def browser_frames(n: int, seconds: float, own_cpu: bool) -> dict[str, Any]:
+    """Frame gaps of JupyterLab's page while `n` simulated ranks stream into the live view, from
+    when rank 0's loop began to when it ended (the times it prints). `own_cpu`: chromium on the
+    first CPU, everything else (JupyterLab, the kernel, the controller, the ranks) on the others, as a
+    browser on a laptop of its own; else all of them share every CPU."""
     from playwright.sync_api import sync_playwright
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -200,7 +234,7 @@ def browser_frames(n: int, seconds: float) -> dict[str, Any]:
         run_all_cells,
         watch_page,
     )
-    from tests.test_browser import FRAMES_JS, LARGE_JS
+    from tests.test_browser import LARGE_JS
 
     reason = missing_requirement()
     if reason:
@@ -210,36 +244,48 @@ def browser_frames(n: int, seconds: float) -> dict[str, Any]:
         f"world = ddp_notebook.DDPCluster({n}, simulated=True, start_timeout={max(300, 2 * n)})\n"
         "world.start()\nworld.activate()",
         STREAM.format(steps=1, limit=60),
-        STREAM.format(steps=int(seconds * 10), limit=seconds * 10 + 60),
+        marked_stream(int(seconds * 10), seconds * 10 + 60),
         'world.stop()\nprint("the large world", "stopped")',
     ]
-    with tempfile.TemporaryDirectory(prefix="scale-browser-") as base, jupyterlab(Path(base)) as lab:
-        (lab.root / "scale.ipynb").write_text(notebook_text(cells))
-        with sync_playwright() as playwright:
-            browser = launch_chromium(playwright, Path(base) / "chromium")
-            try:
-                page = browser.new_page()
-                page.goto(f"{lab.url}/lab/tree/scale.ipynb?token={lab.token}")
-                run_all_cells(page)
-                timing: list[bool] = []
-
-                def time_frames(sample: dict[str, Any]) -> None:
-                    if sample["shown"] and not timing and "step" in sample["text"]:  # the measured cell streams
-                        page.evaluate(FRAMES_JS)
-                        timing.append(True)
-
-                sample = watch_page(page, LARGE_JS, "the large world stopped", 600 + 2 * n, 250, None, time_frames)[-1]
-                if sample["errors"]:
-                    raise RuntimeError(f"the notebook failed: {sample['errors']}")
-            finally:
-                browser.close()
-    gaps = sorted(sample["gaps"])
+    cpus = sorted(os.sched_getaffinity(0))
+    browser_cpus = cpus[:1] if own_cpu else None
+    try:
+        if own_cpu:
+            os.sched_setaffinity(0, cpus[1:])  # inherited by JupyterLab, its kernel and the world
+        with tempfile.TemporaryDirectory(prefix="scale-browser-") as base, jupyterlab(Path(base)) as lab:
+            (lab.root / "scale.ipynb").write_text(notebook_text(cells))
+            with sync_playwright() as playwright:
+                browser = launch_chromium(playwright, Path(base) / "chromium", browser_cpus)
+                try:
+                    page = browser.new_page()
+                    page.goto(f"{lab.url}/lab/tree/scale.ipynb?token={lab.token}")
+                    run_all_cells(page)
+                    page.evaluate(FRAME_TIMES_JS)
+                    limit = 600 + 2 * n
+                    sample = watch_page(page, LARGE_JS, "the large world stopped", limit, 250)[-1]
+                    if sample["errors"]:
+                        raise RuntimeError(f"the notebook failed: {sample['errors']}")
+                    times = page.evaluate("window.__frameTimes")
+                    origin = page.evaluate("performance.timeOrigin")  # the page's clock, in epoch ms
+                finally:
+                    browser.close()
+    finally:
+        os.sched_setaffinity(0, cpus)
+    # when rank 0's loop began and ended, on the page's clock (one machine: one clock)
+    marks = {word: float(at) * 1e3 - origin for word, at in STREAM_MARK.findall(sample["text"])}
+    if set(marks) != {"begins", "ends"}:
+        raise RuntimeError(f"the page does not show when the streaming cell began and ended: {sorted(marks)}")
+    gaps = frame_gaps(times, marks["begins"], marks["ends"])
     return {
         "ranks": n,
-        "frames": len(gaps),
-        "median_ms": gaps[len(gaps) // 2],
-        "p99_ms": gaps[int(len(gaps) * 0.99)],
-        "longest_ms": gaps[-1],
+        "browser_cpus": "its own CPU" if own_cpu else "every CPU, shared with the rest",
+        "window_s": (marks["ends"] - marks["begins"]) / 1e3,
+        "frames": len(gaps) - 1,
+        "median_ms": gaps[len(gaps) // 2][0],
+        "p99_ms": gaps[int(len(gaps) * 0.99)][0],
+        "longest_ms": gaps[-1][0],
+        "longest_at_s": gaps[-1][1] / 1e3,
+        "over_100ms_at_s": sorted(round(at / 1e3, 2) for gap, at in gaps if gap > 100),
     }
 
 
@@ -270,14 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if "error" in row:
             print(f"{row['ranks']} ranks: {row['error']}")
-    frames = None
+    frames = []
     if args.browser:
-        frames = browser_frames(args.browser, args.seconds)
-        print(
-            f"\nJupyterLab (chromium) while {frames['ranks']} ranks stream: {frames['frames']} frames, gap median "
-            f"{frames['median_ms']:.0f} ms, 99th percentile {frames['p99_ms']:.0f} ms, "
-            f"longest {frames['longest_ms']:.0f} ms"
-        )
+        # a browser on a CPU of its own (as on the user's laptop), then sharing the CPUs with the world
+        for own_cpu in (True, False) if len(os.sched_getaffinity(0)) > 1 else (False,):
+            measured = browser_frames(args.browser, args.seconds, own_cpu)
+            frames.append(measured)
+            print(
+                f"\nJupyterLab (chromium on {measured['browser_cpus']}) while {measured['ranks']} ranks stream "
+                f"({measured['window_s']:.1f} s): {measured['frames']} frames, "
+                f"gap median {measured['median_ms']:.0f} ms, 99th percentile {measured['p99_ms']:.0f} ms, "
+                f"longest {measured['longest_ms']:.0f} ms ({measured['longest_at_s']:.1f} s into the loop); "
+                f"gaps over 100 ms at {measured['over_100ms_at_s']} s",
+                flush=True,
+            )
     payload = {"command": " ".join([sys.executable, *sys.argv]), "machine": info, "rows": rows, "browser": frames}
     write_json(args.json, payload)
     return status

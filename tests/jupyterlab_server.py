@@ -128,10 +128,16 @@ def jupyterlab(base: Path) -> Iterator[Lab]:
         assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"
 
 
-def launch_chromium(playwright: Any, profile: Path) -> Any:
-    """Debian's chromium, headless, with a fresh user-data-dir `profile` (no cookie, no history)."""
+def launch_chromium(playwright: Any, profile: Path, cpus: Sequence[int] | None = None) -> Any:
+    """Debian's chromium, headless, with a fresh user-data-dir `profile` (no cookie, no history);
+    with `cpus`, its processes run on those CPUs only (a browser on a machine of its own)."""
+    executable = CHROMIUM
+    if cpus is not None:
+        executable = profile.parent / "chromium-on-its-cpus"
+        executable.write_text(f'#!/bin/sh\nexec taskset -c {",".join(map(str, cpus))} {CHROMIUM} "$@"\n')
+        executable.chmod(0o700)
     return playwright.chromium.launch_persistent_context(
-        str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS, viewport=VIEWPORT
+        str(profile), executable_path=str(executable), headless=True, args=CHROMIUM_ARGS, viewport=VIEWPORT
     )
 
 

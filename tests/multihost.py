@@ -138,6 +138,9 @@ def processes_with_env(entry: str) -> dict[int, float | None]:
     return found
 
 
+SSH_TOOLS = ("sshd", "ssh", "scp", "ssh-keygen", "unshare")
+
+
 def _run(*cmd: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, **kwargs)
     if check and result.returncode != 0:
@@ -159,6 +162,13 @@ def _require(*tools: str) -> None:
 def require_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: creates network namespaces, a bridge and daemons")
+
+
+def require_ssh_hosts() -> None:
+    """Skip, with the reason, where `network_namespaces` and `ssh_hosts` cannot run (for a test
+    that runs them in a process of its own)."""
+    require_root()
+    _require("ip", *SSH_TOOLS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +436,7 @@ def _wait_for_ssh(address: str, port: int, process: subprocess.Popen, log: Path,
 @contextlib.contextmanager
 def ssh_hosts(network: Network) -> Iterator[SSHHosts]:
     """An sshd on every host of `network`; yields SSHHosts (config file, host names)."""
-    _require("sshd", "ssh", "scp", "ssh-keygen", "unshare")
+    _require(*SSH_TOOLS)
     sshd = _tool("sshd")
     assert sshd is not None
     # sshd refuses to start without its privilege separation directory

@@ -72,3 +72,42 @@ def test_a_short_storm_is_survived_and_ends_bitwise_equal(
     assert storm["leftovers"] == [], shown
     assert done.returncode == 0, shown
     assert "bitwise equal to the fault-free run" in done.stdout
+
+
+def test_a_storm_across_hosts_is_survived_and_ends_bitwise_equal(tmp_path: Path) -> None:
+    """`fault_storm.py --hosts`: 3 ranks over the SSH launcher across network-namespace hosts; a
+    host's link goes down mid-cell, a remote rank is SIGKILLed, another SIGSTOPped past the heartbeat
+    limit; each lost rank comes back (on a spare host's slot where its host went silent) and the run
+    ends bitwise equal to a fault-free one, nothing left on any host."""
+    from tests.multihost import require_ssh_hosts
+
+    require_ssh_hosts()
+    out = tmp_path / "storm.json"
+    command = [sys.executable, "fault_storm.py", "--hosts", "--ranks", "3", "--seed", "3", "--kinds", "link,kill,stop"]
+    done = subprocess.run(
+        [*command, "--faults", "3", "--minutes", "5", "--samples", "768", "--json", str(out)],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    shown = done.stdout[-4000:] + done.stderr[-4000:]
+    assert out.exists(), shown
+    storm = json.loads(out.read_text(encoding="utf8"))["storm"]
+    assert len(storm["hosts"]) == 3, shown
+    faults = storm["faults"]
+    assert sorted(fault["kind"] for fault in faults) == ["kill", "link", "stop"], shown
+    for fault in faults:  # each loss named for what it was, on the host it happened
+        assert fault["survived"], shown
+        if fault["kind"] == "link":
+            assert fault["host"] in storm["hosts"][1:], shown  # never rank 0's host
+            assert f"on {fault['host']} was lost (its host stopped answering" in fault["error"], shown
+        if fault["kind"] == "kill":
+            assert "ended: its connection to the notebook closed" in fault["error"], shown
+        if fault["kind"] == "stop":
+            assert "was lost (it stopped answering the controller" in fault["error"], shown
+    assert storm["equal"] is True, shown
+    assert storm["leftovers"] == [], shown
+    assert "Traceback" not in done.stderr, shown
+    assert done.returncode == 0, shown

@@ -43,6 +43,8 @@ PERSIST_SECONDS = 10
 # how long opening the masters, or ending one, may take
 OPEN_SECONDS = 20.0
 END_SECONDS = 5.0
+SIGNAL_SECONDS = 30.0  # a signal to a rank over ssh (ipyparallel's own waits without a bound)
+SSH_FAILED = 255  # ssh's exit status when it could not run the command on the host
 _SOCKET_PREFIX = "ssh-"
 _SHARING_OPTIONS = ("controlmaster", "controlpath", "controlpersist")
 
@@ -177,6 +179,21 @@ class _QueuedSSHEngineLauncher(SSHEngineLauncher):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reading = threading.Lock()  # the waiting thread and a join's thread may both read the log
+
+    def signal(self, sig: int) -> None:
+        # ipyparallel's remote kill lets the traceback of a process already gone there through to
+        # this process's stderr, which a notebook kernel shows under the user's cell: the same kill
+        # over the same connection, what it says kept for the log; an ssh that fails still raises
+        if self.state != "running":
+            return
+        command = [*self.ssh_cmd, *self.ssh_args, self.location, f"kill -{int(sig)} {int(self.pid)}"]
+        done = subprocess.run(
+            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SIGNAL_SECONDS, check=False
+        )
+        if done.returncode == SSH_FAILED:
+            raise subprocess.CalledProcessError(done.returncode, command, done.stdout, done.stderr)
+        if done.returncode:
+            log.debug("signal %s to rank %s on %s: %s", sig, self.pid, self.location, done.stderr.strip())
 
     def wait_one(self, timeout: float) -> int:
         code: int = super().wait_one(timeout)  # raises TimeoutError while the engine runs
