@@ -38,18 +38,14 @@ def oom_unavailable() -> str | None:
     return None
 
 
-@pytest.mark.parametrize(("ranks", "seed", "seed_without_oom"), STORMS)
-def test_a_short_storm_is_survived_and_ends_bitwise_equal(
-    tmp_path: Path, ranks: int, seed: int, seed_without_oom: int
-) -> None:
-    out = tmp_path / "storm.json"
-    kinds = KINDS if oom_unavailable() is None else KINDS - {"oom"}
-    if "oom" not in kinds:
-        seed = seed_without_oom  # its draws among the five others
-    command = [sys.executable, "fault_storm.py", "--ranks", str(ranks), "--seed", str(seed)]
-    command += ["--kinds", ",".join(k for k in ("kill", "raise", "skip", "interrupt", "stop", "oom") if k in kinds)]
+def run_storm(folder: Path, *arguments: str) -> tuple[subprocess.CompletedProcess[str], dict, str]:
+    """fault_storm.py with `arguments`, one fault of each kind it is given (its --kinds), as a user
+    runs it: (the run, the storm of its JSON, the tail of what it printed)."""
+    out = folder / "storm.json"
+    kinds = arguments[list(arguments).index("--kinds") + 1].split(",")
+    settings = ["--faults", str(len(kinds)), "--minutes", "5", "--samples", "768", "--json", str(out)]
     done = subprocess.run(
-        [*command, "--faults", str(len(kinds)), "--minutes", "5", "--samples", "768", "--json", str(out)],
+        [sys.executable, "fault_storm.py", *arguments, *settings],
         cwd=BENCHMARKS,
         capture_output=True,
         text=True,
@@ -58,7 +54,18 @@ def test_a_short_storm_is_survived_and_ends_bitwise_equal(
     )
     shown = done.stdout[-4000:] + done.stderr[-4000:]
     assert out.exists(), shown
-    storm = json.loads(out.read_text(encoding="utf8"))["storm"]
+    return done, json.loads(out.read_text(encoding="utf8"))["storm"], shown
+
+
+@pytest.mark.parametrize(("ranks", "seed", "seed_without_oom"), STORMS)
+def test_a_short_storm_is_survived_and_ends_bitwise_equal(
+    tmp_path: Path, ranks: int, seed: int, seed_without_oom: int
+) -> None:
+    kinds = KINDS if oom_unavailable() is None else KINDS - {"oom"}
+    if "oom" not in kinds:
+        seed = seed_without_oom  # its draws among the five others
+    ordered = ",".join(k for k in ("kill", "raise", "skip", "interrupt", "stop", "oom") if k in kinds)
+    done, storm, shown = run_storm(tmp_path, "--ranks", str(ranks), "--seed", str(seed), "--kinds", ordered)
     faults = storm["faults"]
     assert len(faults) == len(kinds), shown
     assert {fault["kind"] for fault in faults} == kinds, shown
@@ -82,19 +89,7 @@ def test_a_storm_across_hosts_is_survived_and_ends_bitwise_equal(tmp_path: Path)
     from tests.multihost import require_ssh_hosts
 
     require_ssh_hosts()
-    out = tmp_path / "storm.json"
-    command = [sys.executable, "fault_storm.py", "--hosts", "--ranks", "3", "--seed", "3", "--kinds", "link,kill,stop"]
-    done = subprocess.run(
-        [*command, "--faults", "3", "--minutes", "5", "--samples", "768", "--json", str(out)],
-        cwd=BENCHMARKS,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    shown = done.stdout[-4000:] + done.stderr[-4000:]
-    assert out.exists(), shown
-    storm = json.loads(out.read_text(encoding="utf8"))["storm"]
+    done, storm, shown = run_storm(tmp_path, "--hosts", "--ranks", "3", "--seed", "3", "--kinds", "link,kill,stop")
     assert len(storm["hosts"]) == 3, shown
     faults = storm["faults"]
     assert sorted(fault["kind"] for fault in faults) == ["kill", "link", "stop"], shown
