@@ -270,7 +270,7 @@ def _remove(record: _Record) -> list[str]:
             if result.returncode not in (0, 12):  # 12: the home folder was gone already
                 problems.append(f"userdel {user}: {result.stderr.strip()}")
     if record.cgroup:
-        problems += _remove_cgroups(Path(record.cgroup))
+        problems += remove_cgroups(Path(record.cgroup))
     if record.folder:
         shutil.rmtree(record.folder, ignore_errors=True)
     return problems
@@ -297,7 +297,7 @@ def make_cgroup_parent(name: str, record: _Record | None = None) -> Path:
     return cgroup.directory
 
 
-def _remove_cgroups(parent: Path) -> list[str]:
+def remove_cgroups(parent: Path) -> list[str]:
     """Each user's cgroup (the config's post-stop hook removes it, a killed run does not), then the parent."""
     problems = []
     for folder in [*(child for child in parent.glob("jupyter-*") if child.is_dir()), parent]:

@@ -484,9 +484,8 @@ def test_a_server_started_again_while_its_cgroup_is_being_removed_keeps_it(monke
         if lingering is not None and lingering.poll() is None:
             lingering.kill()
             lingering.wait(timeout=10)
-        for folder in [*parent.glob("jupyter-*"), parent]:
-            if folder.is_dir():
-                memory_cgroup.remove(folder)
+        problems = hub_module.remove_cgroups(parent)
+        assert not problems, problems
 
 
 def test_the_idle_culler_stops_a_server_and_its_world_with_it(hub: Hub) -> None:
