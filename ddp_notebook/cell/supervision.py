@@ -150,6 +150,12 @@ class WorldSupervisor:
         reach = self.reach()
         seen = self.process_watch.ended(reach, infos) if reach is not None and reach.remote else {}
         dead = {rank: _remote_death(next(i.host for i in infos if i.rank == rank), how) for rank, how in seen.items()}
+        # a silent host is lost with every rank on it: their connections' keepalives each give up at
+        # their own moment, and a rank left out would be kept as a survivor its controller then drops
+        silent = {info.host for info in infos if seen.get(info.rank) == xray.SILENT}
+        for info in self._ranks().values():
+            if info.host in silent and info.rank not in dead:
+                dead[info.rank] = _remote_death(info.host, xray.SILENT)
         dead.update(self.provisioner.dead_ranks([info for info in infos if info.rank not in dead]))
         return dead
 

@@ -1,0 +1,53 @@
+"""How a cell's supervisor names the dead (cell/supervision.py), on the pure logic: the verdicts of
+the watch connections to ranks on other hosts are given here; the real connections, hosts and
+links are in tests/test_multinode.py and the fault storm across hosts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ddp_notebook.cell import xray
+from ddp_notebook.cell.supervision import WorldSupervisor
+from ddp_notebook.wire.results import Death, RankInfo
+
+
+class Verdicts:
+    """A watch whose connections say what the test sets."""
+
+    def __init__(self, seen: dict[int, str]) -> None:
+        self.seen = seen
+
+    def ended(self, reach: Any, infos: Any) -> dict[int, str]:
+        return dict(self.seen)
+
+
+def supervisor(seen: dict[int, str]) -> WorldSupervisor:
+    ranks = {
+        0: RankInfo(0, 10, "h0", 100, "", "", None),
+        1: RankInfo(1, 11, "h1", 101, "", "", None),
+        2: RankInfo(2, 12, "h1", 102, "", "", None),
+        3: RankInfo(3, 13, "h2", 103, "", "", None),
+    }
+    provisioner = SimpleNamespace(dead_ranks=lambda infos: {})
+    controller = SimpleNamespace(lost=lambda: None)
+    watching = WorldSupervisor(provisioner, controller, lambda: ranks, stack_dir="/nowhere")  # type: ignore[arg-type]
+    watching.process_watch = Verdicts(seen)  # type: ignore[assignment]
+    watching.reach = lambda: SimpleNamespace(remote={r: ("10.0.0.1", 1) for r in ranks})  # type: ignore[method-assign]
+    return watching
+
+
+@pytest.mark.parametrize("asked", [(0, 1, 2, 3), (0, 2)], ids=["every-rank", "a-cell-on-some-ranks"])
+def test_a_silent_host_is_lost_with_every_rank_on_it(asked: tuple[int, ...]) -> None:
+    """Rank 2's connection gave up on its host first; rank 1, on the same host, is named with it
+    (its own keepalive would give up a moment later, after the comeback kept it as a survivor)."""
+    dead = supervisor({2: xray.SILENT}).find_dead(asked)
+    assert sorted(dead) == [1, 2]
+    assert all(death.cause == "lost" and "its host stopped answering" in death.how for death in dead.values())
+
+
+def test_a_rank_whose_process_ended_takes_no_other_rank_of_its_host_with_it() -> None:
+    dead = supervisor({2: xray.ENDED}).find_dead((0, 1, 2, 3))
+    assert list(dead) == [2] and isinstance(dead[2], Death) and dead[2].cause == "exited"
