@@ -6,6 +6,7 @@ ipyparallel and ipykernel are bounded in pyproject.toml to the versions these te
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -204,3 +205,41 @@ def test_the_exit_code_of_a_killed_rank_is_recorded(no_leaks: None) -> None:
                 launcher.poll()
             time.sleep(0.05)
         assert ipp_adapter.recorded_exit(engine_set) == -signal.SIGKILL
+
+
+def test_an_ssh_engines_exit_is_left_to_a_watch_of_its_host() -> None:
+    """`WatchedExit` replaces ipyparallel's waiting thread per SSH engine (which holds an ssh session
+    open for the engine's life) by the subclass's watch, and tells ipyparallel of the exit as that
+    thread did. A renamed `_start_waiting` would leave the thread in place: it fails here first."""
+    from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHLauncher
+
+    assert "_start_waiting" in vars(SSHLauncher), "ipyparallel no longer starts its waiting thread there"
+    watches: list[object] = []
+
+    class Watched(ipp_adapter.WatchedExit, SSHEngineLauncher):
+        def watch_exit(self) -> None:
+            watches.append(self)
+
+    async def run() -> None:
+        engine = Watched()
+        engine.pid = 4242
+        engine.notify_start({"host": "h1", "pid": 4242})
+        threads = threading.active_count()
+        engine._start_waiting()  # what ipyparallel's start calls once the engine runs on its host
+        assert watches == [engine] and threading.active_count() == threads
+        assert engine.watched
+        stopped: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        engine.on_stop(stopped.set_result)
+        engine.exited(-1)
+        data = await asyncio.wait_for(stopped, 5)
+        assert (data["exit_code"], data["pid"]) == (-1, 4242)
+        assert engine.state == "after" and not engine.watched
+
+        other = Watched()
+        other.notify_start({"host": "h1", "pid": 4343})
+        assert not other.watched  # no watch before ipyparallel asked for one
+        other._start_waiting()
+        other.end_watch()  # its launcher stopped it (or gave up on its host)
+        assert not other.watched and other.state == "running"
+
+    asyncio.run(run())

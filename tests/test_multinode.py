@@ -24,6 +24,7 @@ from ddp_notebook.cell.xray import CollectiveMismatchError
 from ddp_notebook.errors import CellTimeoutError
 from ddp_notebook.wire import xray as xray_wire
 from ddp_notebook.wire.xray_messages import error_answer, release_request
+from ddp_notebook.world.provisioning import ssh_hosts
 from tests import multihost
 from tests.conftest import wait_gone
 from tests.multihost import Network, SlurmCluster, SSHHosts
@@ -72,6 +73,12 @@ def test_ssh_world_spans_two_hosts(
         # every ssh and scp of the world to a host went over one connection: a master per host
         private = world.private_dir or ""
         assert private and len(ssh_masters_of(private)) == len(multihost_ssh.hosts)
+        # no ssh session held open per rank (ipyparallel waited on each engine through one, and sshd
+        # refuses a shared connection's sessions past its MaxSessions): a host's watch is one short
+        # session now and then, so no ssh of this process lives across two looks a second apart
+        first = ssh_sessions_of_this_process()
+        time.sleep(1.0)
+        assert first & ssh_sessions_of_this_process() == set(), "an ssh session stays open while the world idles"
         assert [(r.rank, r.host, r.local_rank, r.local_world_size, r.group_rank) for r in world.ranks] == [
             (0, h1.name, 0, 1, 0),
             (1, h2.name, 0, 1, 1),
@@ -130,6 +137,25 @@ def test_ssh_world_spans_two_hosts(
     while ssh_masters_of(private) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ssh_masters_of(private) == [], "a shared ssh connection outlived the world"
+
+
+def launcher_of(world: DDPCluster, pid: int):  # type: ignore[no-untyped-def]
+    """The ipyparallel launcher that started the rank process `pid` on its host."""
+    assert world.provisioner is not None
+    found = [launcher for _, launcher in world.provisioner._remote_launchers() if launcher.pid == pid]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def ssh_sessions_of_this_process() -> set[tuple[int, float]]:
+    """(pid, start time) of the ssh clients this process runs (masters are not its children)."""
+    import psutil
+
+    return {
+        (child.pid, child.create_time())
+        for child in psutil.Process().children(recursive=True)
+        if child.name() == "ssh" and child.is_running()
+    }
 
 
 def ssh_masters_of(private_dir: str) -> list[int]:
@@ -411,8 +437,15 @@ def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_
             assert world.execute(check, stream=False).value_text(0) == "(2.0, 'made on 1')"
             assert world.execute(check, stream=False).value_text(1) == "(2.0, None)"
             left = world.ranks[1].pid
+            its_log = Path.home() / launcher_of(world, left).remote_output_file
+            assert its_log.is_file()
             world.resize(1)
             assert world.world_size == 1 and wait_gone([left]) == []
+            # its host's watch notices it ended, and its log is read and removed from the host then
+            deadline = time.monotonic() + ssh_hosts.WATCH_SECONDS + 15
+            while its_log.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not its_log.exists(), "the rank that left was never noticed to end"
             world.resize(2)  # the free slots: the first host's comes first in the list
             assert [info.host for info in world.ranks] == [h1.name, h2.name]
             seen.update(info.pid for info in world.ranks)

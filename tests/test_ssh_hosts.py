@@ -13,9 +13,11 @@ import time
 import pytest
 
 from ddp_notebook.world.provisioning.ssh_hosts import (
+    STARTS_PER_HOST,
     _HostStarts,
     _QueuedSSHEngineLauncher,
     host_arguments,
+    running_pids,
     sharing_options,
 )
 
@@ -73,6 +75,57 @@ def test_hosts_start_at_once_and_each_hosts_first_engine_alone() -> None:
     for host in ("h1", "h2"):
         first_end = events.index(f"end {host}/0")
         assert all(events.index(f"begin {host}/{i}") > first_end for i in (1, 2)), events
+
+
+def test_a_hosts_engines_start_a_few_at_a_time_under_sshds_session_limit() -> None:
+    """sshd refuses a shared connection's sessions past MaxSessions (10 by default): 16 engines of
+    one host start STARTS_PER_HOST at a time after the first, and every one of them starts."""
+    lock = threading.Lock()
+    running, most, started = [0], [0], []
+
+    def start(index: int) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+            started.append(index)
+
+    starts = _HostStarts()
+    for index in range(16):
+        starts.add("h1", lambda index=index: start(index))
+    starts.run()
+    assert sorted(started) == list(range(16))
+    assert most[0] == STARTS_PER_HOST < 10
+
+
+def test_a_hosts_running_ranks_are_asked_for_in_one_command() -> None:
+    """`running_pids` runs `ps` through the command given (ssh to a host; a local shell here): a
+    running process is listed, one that exited or is a zombie (ended, not yet waited for) is not,
+    and a command that fails (ssh's 255) says nothing rather than "none runs"."""
+    alive = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    try:
+        deadline = time.monotonic() + 5
+        while (
+            subprocess.run(["ps", "-o", "stat=", "-p", str(zombie.pid)], capture_output=True, text=True).stdout.strip()[
+                :1
+            ]
+            != "Z"
+        ):
+            assert time.monotonic() < deadline, "the zombie never showed"
+            time.sleep(0.01)
+        local = ("sh", "-c")
+        assert running_pids(local, [alive.pid, zombie.pid, exited.pid]) == {alive.pid}
+        assert running_pids(local, [exited.pid]) == set()  # ps says 1 when none of them runs
+        assert running_pids(("sh", "-c", "exit 255", "ssh"), [alive.pid]) is None
+    finally:
+        alive.kill()
+        alive.wait()
+        zombie.wait()
 
 
 def test_a_host_that_fails_stops_its_own_starts_and_its_error_is_raised() -> None:

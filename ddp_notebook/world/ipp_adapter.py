@@ -9,6 +9,7 @@ fails there first.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,3 +99,37 @@ def parse_reply_dates_quickly() -> None:
 
     parse_date.quick = True  # type: ignore[attr-defined]
     util._parse_date = parse_date
+
+
+class WatchedExit:
+    """Mixin for ipyparallel's SSH engine launcher: its engine's exit is noticed by a watch of its
+    host that the subclass keeps (`watch_exit`), in place of the thread ipyparallel starts per engine
+    (`_start_waiting`), which holds an ssh session open to the host for the engine's whole life."""
+
+    def _start_waiting(self) -> None:
+        self.loop  # type: ignore[attr-defined]  # noqa: B018  (bound on the starting thread, as ipyparallel's is)
+        self._stop_waiting = threading.Event()
+        self._wait_thread = None  # join() then leaves the event to end_watch
+        self.watch_exit()
+
+    def watch_exit(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def watched(self) -> bool:
+        """Whether the engine's exit is still to be noticed: it runs, and its launcher did not stop it."""
+        stopping = getattr(self, "_stop_waiting", None)
+        return bool(self.state == "running" and stopping is not None and not stopping.is_set())  # type: ignore[attr-defined]
+
+    def end_watch(self) -> None:
+        stopping = getattr(self, "_stop_waiting", None)
+        if stopping is not None:
+            stopping.set()
+
+    def exited(self, exit_code: int) -> None:
+        """Tell ipyparallel the engine ended, on the launcher's loop, as its waiting thread did."""
+        data = {"exit_code": exit_code, "pid": self.pid, "identifier": self.identifier}  # type: ignore[attr-defined]
+        try:
+            self.loop.add_callback(lambda: self.notify_stop(data))  # type: ignore[attr-defined]
+        except RuntimeError:  # the loop has closed: the cluster stopped, nobody waits for it
+            pass

@@ -226,7 +226,12 @@ class LauncherProvisioner(ControlledProvisioner):
             self.signal(left, signal.SIGKILL)
 
     def stop(self) -> None:
+        elsewhere = [launcher for _, launcher in self._remote_launchers()]
         super().stop()
+        for launcher in elsewhere:  # a rank whose host is gone was not stopped: nobody waits for it now
+            end_watch = getattr(launcher, "end_watch", None)
+            if end_watch is not None:
+                end_watch()
         if self.config.launch.launcher == "ssh":
             left = ssh_hosts.end_masters(self._ssh_folder())
             if left:  # each ends by itself once idle

@@ -13,9 +13,14 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
   the logs of the ranks it stopped itself: not of a rank lost and replaced, or left in a resize);
 - the hosts start, and stop, at once, as ipyparallel's own launchers (selected like any engine
   launcher): the first engine of each host alone (it makes the remote profile folder), then the
-  rest of that host's engines together. Each engine is told its rank (the list's order), as
-  ipyparallel's one-after-another start made it: rank 0 on the first host, whichever registers
-  first.
+  rest of that host's engines together, `STARTS_PER_HOST` at a time. Each engine is told its rank
+  (the list's order), as ipyparallel's one-after-another start made it: rank 0 on the first host,
+  whichever registers first;
+- one short ssh session every `WATCH_SECONDS` asks a host which of its ranks still run, for all of
+  them (`_HostWatch`). ipyparallel held a session open per engine for its whole life, waiting on it:
+  past about 8 ranks a host, sshd's `MaxSessions` (10 by default) refused the sessions beyond it over
+  the shared connection, and ssh said so on the kernel's stderr, under the user's cell, as it fell
+  back to a connection of its own.
 """
 
 from __future__ import annotations
@@ -24,17 +29,19 @@ import asyncio
 import glob
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 from traitlets import Integer
 
 from ...platform.processes import SLOT_ENV
+from ..ipp_adapter import WatchedExit
 
 log = logging.getLogger("ddp_notebook")
 
@@ -45,6 +52,13 @@ OPEN_SECONDS = 20.0
 END_SECONDS = 5.0
 SIGNAL_SECONDS = 30.0  # a signal to a rank over ssh (ipyparallel's own waits without a bound)
 SSH_FAILED = 255  # ssh's exit status when it could not run the command on the host
+# how often a host is asked which of its ranks still run, and how long one asking may take
+WATCH_SECONDS = 3.0
+WATCH_SSH_SECONDS = 20.0
+LOG_SECONDS = 20.0  # reading (and removing) a rank's log on its host
+# engines of one host starting at once: each start is a few ssh sessions in turn, and sshd refuses
+# a shared connection's sessions past its MaxSessions (10 by default)
+STARTS_PER_HOST = 6
 _SOCKET_PREFIX = "ssh-"
 _SHARING_OPTIONS = ("controlmaster", "controlpath", "controlpersist")
 
@@ -139,8 +153,11 @@ class _HostStarts:
 
         def run_host(starts: list[Callable[[], None]]) -> None:
             run_one(starts[0])  # makes the remote profile folder the others' logs go to
-            if not errors:
-                _together([lambda start=start: run_one(start) for start in starts[1:]])
+            rest = starts[1:]
+            for first in range(0, len(rest), STARTS_PER_HOST):
+                if errors:
+                    return
+                _together([lambda start=start: run_one(start) for start in rest[first : first + STARTS_PER_HOST]])
 
         _together([lambda starts=starts: run_host(starts) for starts in self.by_host.values()])
         if errors:
@@ -158,10 +175,81 @@ def _together(jobs: Sequence[Callable[[], None]]) -> None:
         thread.join()  # each ssh step is ipyparallel's own, with its own ends (a host that does not answer fails it)
 
 
-class _QueuedSSHEngineLauncher(SSHEngineLauncher):
+def running_pids(command: Sequence[str], pids: Sequence[int]) -> set[int] | None:
+    """Which of `pids` still run on the host `command` (ssh and its arguments, up to the host)
+    reaches; None when the host did not say (it did not answer, or has no POSIX ps)."""
+    listing = f"ps -o pid= -o stat= -p {','.join(str(int(pid)) for pid in pids)}"
+    try:
+        done = subprocess.run(
+            [*command, listing],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=WATCH_SSH_SECONDS,
+            check=False,
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    if done.returncode not in (0, 1):  # ps says 1 when none of them runs; ssh 255 when it failed
+        log.debug("asking %s which ranks run failed: %s", command[-1], done.stderr.strip())
+        return None
+    running = set()
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        # a zombie has ended: only its parent's wait is missing
+        if len(fields) >= 2 and fields[0].isdigit() and not fields[1].startswith("Z"):
+            running.add(int(fields[0]))
+    return running
+
+
+class _HostWatch:
+    """Notices which engines of one host ended, asking for all of them in one short ssh session
+    every `WATCH_SECONDS`; ends once none is left to watch."""
+
+    _all: ClassVar[dict[tuple[str, ...], _HostWatch]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, command: tuple[str, ...]) -> None:
+        self.command = command
+        self.engines: list[_QueuedSSHEngineLauncher] = []
+        self.thread = threading.Thread(target=self._run, name=f"ddp-ssh-watch {command[-1]}", daemon=True)
+
+    @classmethod
+    def add(cls, engine: _QueuedSSHEngineLauncher) -> None:
+        # never a master of its own: after the world's stop ended the masters, one would outlive it
+        command = (*engine.ssh_cmd, "-o", "ControlMaster=no", *engine.ssh_args, engine.location)
+        with cls._lock:
+            watch = cls._all.get(command)
+            if watch is None:
+                watch = cls._all[command] = cls(command)
+                watch.thread.start()
+            watch.engines.append(engine)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(WATCH_SECONDS)
+            with self._lock:
+                self.engines = [engine for engine in self.engines if engine.watched]
+                if not self.engines:
+                    del self._all[self.command]
+                    return
+                watched = list(self.engines)
+            running = running_pids(self.command, [engine.pid for engine in watched])
+            if running is None:
+                continue  # the host did not answer: a lost host's ranks are the world's to name
+            for engine in watched:
+                if engine.pid not in running:
+                    with self._lock:
+                        if engine in self.engines:
+                            self.engines.remove(engine)
+                    engine.ended()
+
+
+class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
     """ipyparallel's SSH engine launcher whose start is queued by its engine set, which runs the
-    queue host by host at once; and whose stop signals and whose log is read off the engine set's
-    event loop, so that the engines of a set stop at once too."""
+    queue host by host at once; whose exit is noticed by its host's watch; and whose stop signals
+    and whose log is read off the engine set's event loop, so that the engines of a set stop at
+    once too."""
 
     def start(self, hostname: Any = None, user: Any = None, port: Any = None) -> None:
         self.loop  # noqa: B018  (bound to the engine set's loop, not the thread that starts it)
@@ -178,7 +266,9 @@ class _QueuedSSHEngineLauncher(SSHEngineLauncher):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.reading = threading.Lock()  # the waiting thread and a join's thread may both read the log
+        self.reading = threading.RLock()  # the host's watch and a join's thread may both read the log
+        self.log_text: str | None = None
+        self.log_removed = False
 
     def signal(self, sig: int) -> None:
         # ipyparallel's remote kill lets the traceback of a process already gone there through to
@@ -195,17 +285,62 @@ class _QueuedSSHEngineLauncher(SSHEngineLauncher):
         if done.returncode:
             log.debug("signal %s to rank %s on %s: %s", sig, self.pid, self.location, done.stderr.strip())
 
+    def watch_exit(self) -> None:
+        _HostWatch.add(self)
+
+    def ended(self) -> None:
+        """Its host's watch found the engine gone: its log is read, then ipyparallel is told."""
+        self._read_log()
+        self.exited(-1)  # not the host's child: its exit status is not known there (ipyparallel's -1 too)
+
     def wait_one(self, timeout: float) -> int:
         code: int = super().wait_one(timeout)  # raises TimeoutError while the engine runs
-        # ended: its log is read (and removed from its host) here, in this engine's waiting thread;
-        # ipyparallel reads it on the engine set's loop, engine after engine, and keeps what it read.
-        # Whether that worked changes nothing about how the engine ended
+        self._read_log()
+        return code
+
+    def _read_log(self) -> None:
+        # read (and removed from its host) as soon as the engine ends, off the engine set's loop;
+        # ipyparallel reads it there, engine after engine, and keeps what it read. Whether that
+        # worked changes nothing about how the engine ended
         try:
-            with self.reading:
-                self.get_output(remove=True)
+            self.get_output(remove=True)
         except Exception:
             log.debug("reading the log of rank %s on %s failed", self.pid, self.location, exc_info=True)
-        return code
+
+    def get_output(self, remove: bool = False) -> str:
+        """The engine's log on its host, read in one ssh session (and removed there with `remove`).
+        ipyparallel's takes three, each starting Python on the host, and says a failure at ERROR
+        level on the kernel's stderr, under the user's cell. A host that does not answer leaves it
+        unread (""), and is not asked again."""
+        with self.reading:
+            if self.log_text is not None and (self.log_removed or not remove):
+                return self.log_text
+            path = shlex.quote(self.remote_output_file)
+            if self.log_text is not None:
+                command = f"rm -f {path}"
+            else:
+                command = f"cat {path}" + (f" && rm -f {path}" if remove else "")
+            try:
+                done: subprocess.CompletedProcess[str] | None = subprocess.run(
+                    # never a master of its own: after the world's stop ended the masters, one would outlive it
+                    [*self.ssh_cmd, "-o", "ControlMaster=no", *self.ssh_args, self.location, command],
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=LOG_SECONDS,
+                    check=False,
+                )
+            except (subprocess.TimeoutExpired, OSError):
+                done = None
+            if done is None or done.returncode != 0:
+                log.debug("the log of rank %s on %s: %s", self.pid, self.location, done and done.stderr.strip())
+                self.log_text = self.log_text if self.log_text is not None else ""
+                self.log_removed = True
+                return self.log_text
+            if self.log_text is None:
+                self.log_text = done.stdout
+            self.log_removed = self.log_removed or remove
+            return self.log_text
 
     async def stop(self) -> None:
         # ipyparallel signals over ssh on the engine set's loop (0.6 s an engine, one after another)
@@ -217,9 +352,10 @@ class _QueuedSSHEngineLauncher(SSHEngineLauncher):
                 log.debug("signal %s over ssh failed", signum, exc_info=True)
             try:
                 await self.join(timeout=seconds)
-                return
+                break
             except Exception:  # TimeoutError: still running; else ssh did not answer
                 log.debug("rank %s on %s still there after signal %s", self.pid, self.location, signum, exc_info=True)
+        self.end_watch()  # stopped or not (its host may be gone), nobody waits for it now
 
 
 class ConcurrentSSHEngineSetLauncher(SSHEngineSetLauncher):
