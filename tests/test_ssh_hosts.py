@@ -178,3 +178,19 @@ def test_an_engine_still_there_after_sigterm_gets_sigkill_whatever_the_wait_met(
     asyncio.run(engine.stop())
     assert engine.sent == sent
     assert engine.waits[0] == 2  # not ipyparallel's 5 s: the world asked its ranks to exit before
+
+
+def test_an_engine_its_hosts_watch_found_gone_is_not_stopped_over_ssh_again() -> None:
+    """A world that replaced many ranks holds a launcher for each lost one; in a script nothing runs
+    ipyparallel's loop, so their state still says running: the stop sends them nothing."""
+    engine = RecordingEngine([None])
+    engine.notify_start({"host": "h1", "pid": 4242})
+    engine.gone = True
+    asyncio.run(engine.stop())
+    assert engine.sent == [] and engine.waits == []
+    # the real signal sends nothing either (an ssh that does not exist would raise if it ran)
+    engine.ssh_cmd = ["/nonexistent/ssh"]
+    _QueuedSSHEngineLauncher.signal(engine, signal.SIGKILL)
+    engine.gone = False
+    with pytest.raises(FileNotFoundError):
+        _QueuedSSHEngineLauncher.signal(engine, signal.SIGKILL)

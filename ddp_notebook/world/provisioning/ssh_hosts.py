@@ -269,12 +269,15 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
         self.reading = threading.RLock()  # the host's watch and a join's thread may both read the log
         self.log_text: str | None = None
         self.log_removed = False
+        # its host's watch found the engine gone: told to ipyparallel on its loop, which a script's
+        # world does not run, so its state may still say running; nothing is sent to it any more
+        self.gone = False
 
     def signal(self, sig: int) -> None:
         # ipyparallel's remote kill lets the traceback of a process already gone there through to
         # this process's stderr, which a notebook kernel shows under the user's cell: the same kill
         # over the same connection, what it says kept for the log; an ssh that fails still raises
-        if self.state != "running":
+        if self.state != "running" or self.gone:
             return
         command = [*self.ssh_cmd, *self.ssh_args, self.location, f"kill -{int(sig)} {int(self.pid)}"]
         done = subprocess.run(
@@ -290,6 +293,7 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
 
     def ended(self) -> None:
         """Its host's watch found the engine gone: its log is read, then ipyparallel is told."""
+        self.gone = True
         self._read_log()
         self.exited(-1)  # not the host's child: its exit status is not known there (ipyparallel's -1 too)
 
@@ -344,7 +348,12 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
 
     async def stop(self) -> None:
         # ipyparallel signals over ssh on the engine set's loop (0.6 s an engine, one after another)
-        # and gives up at the first ssh that fails; here SIGKILL follows whatever SIGTERM's wait met
+        # and gives up at the first ssh that fails; here SIGKILL follows whatever SIGTERM's wait met.
+        # An engine its host's watch found gone is not asked again (a world that replaced many
+        # ranks would stop each of them over ssh, all at once)
+        if self.gone:
+            self.end_watch()
+            return
         for signum, seconds in ((signal.SIGTERM, self.stop_seconds_until_kill), (signal.SIGKILL, self.stop_timeout)):
             try:
                 await asyncio.to_thread(self.signal, signum)
