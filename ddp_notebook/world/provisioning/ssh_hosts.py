@@ -175,23 +175,25 @@ def _together(jobs: Sequence[Callable[[], None]]) -> None:
         thread.join()  # each ssh step is ipyparallel's own, with its own ends (a host that does not answer fails it)
 
 
+def run_on_host(ssh: Sequence[str], remote: str, seconds: float) -> subprocess.CompletedProcess[str] | None:
+    """`remote` run on the host `ssh` (ssh and its arguments, up to the host) reaches, its output
+    kept (never on the kernel's stderr); None when it did not end within `seconds` or could not start."""
+    try:
+        return subprocess.run(
+            [*ssh, remote], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=seconds, check=False
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+
+
 def running_pids(command: Sequence[str], pids: Sequence[int]) -> set[int] | None:
     """Which of `pids` still run on the host `command` (ssh and its arguments, up to the host)
     reaches; None when the host did not say (it did not answer, or has no POSIX ps)."""
     listing = f"ps -o pid= -o stat= -p {','.join(str(int(pid)) for pid in pids)}"
-    try:
-        done = subprocess.run(
-            [*command, listing],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=WATCH_SSH_SECONDS,
-            check=False,
-        )
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    if done.returncode not in (0, 1):  # ps says 1 when none of them runs; ssh 255 when it failed
-        log.debug("asking %s which ranks run failed: %s", command[-1], done.stderr.strip())
+    done = run_on_host(command, listing, WATCH_SSH_SECONDS)
+    # ps says 1 when none of them runs; ssh 255 when it failed
+    if done is None or done.returncode not in (0, 1):
+        log.debug("asking %s which ranks run failed: %s", command[-1], done and done.stderr.strip())
         return None
     running = set()
     for line in done.stdout.splitlines():
@@ -216,8 +218,7 @@ class _HostWatch:
 
     @classmethod
     def add(cls, engine: _QueuedSSHEngineLauncher) -> None:
-        # never a master of its own: after the world's stop ended the masters, one would outlive it
-        command = (*engine.ssh_cmd, "-o", "ControlMaster=no", *engine.ssh_args, engine.location)
+        command = engine.host_command()
         with cls._lock:
             watch = cls._all.get(command)
             if watch is None:
@@ -291,6 +292,11 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
     def watch_exit(self) -> None:
         _HostWatch.add(self)
 
+    def host_command(self) -> tuple[str, ...]:
+        """ssh to this engine's host, up to the remote command; over the world's shared connection but
+        never a master of its own (after the world's stop ended the masters, one would outlive it)."""
+        return (*self.ssh_cmd, "-o", "ControlMaster=no", *self.ssh_args, self.location)
+
     def ended(self) -> None:
         """Its host's watch found the engine gone: its log is read, then ipyparallel is told."""
         self.gone = True
@@ -324,18 +330,7 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
                 command = f"rm -f {path}"
             else:
                 command = f"cat {path}" + (f" && rm -f {path}" if remove else "")
-            try:
-                done: subprocess.CompletedProcess[str] | None = subprocess.run(
-                    # never a master of its own: after the world's stop ended the masters, one would outlive it
-                    [*self.ssh_cmd, "-o", "ControlMaster=no", *self.ssh_args, self.location, command],
-                    stdin=subprocess.DEVNULL,
-                    capture_output=True,
-                    text=True,
-                    timeout=LOG_SECONDS,
-                    check=False,
-                )
-            except (subprocess.TimeoutExpired, OSError):
-                done = None
+            done = run_on_host(self.host_command(), command, LOG_SECONDS)
             if done is None or done.returncode != 0:
                 log.debug("the log of rank %s on %s: %s", self.pid, self.location, done and done.stderr.strip())
                 self.log_text = self.log_text if self.log_text is not None else ""
