@@ -14,6 +14,7 @@ import pytest
 
 from ddp_notebook.world.provisioning.ssh_hosts import (
     STARTS_PER_HOST,
+    STOPS_PER_HOST,
     _HostStarts,
     _QueuedSSHEngineLauncher,
     host_arguments,
@@ -147,9 +148,13 @@ def test_a_host_that_fails_stops_its_own_starts_and_its_error_is_raised() -> Non
 class RecordingEngine(_QueuedSSHEngineLauncher):
     """The stop's logic, with ipyparallel's ssh steps (signal, join) recorded instead of run."""
 
-    def __init__(self, joins: list[BaseException | None]) -> None:
+    def __init__(self, joins: list[BaseException | None], running: bool | None = True) -> None:
         super().__init__()
         self.joins, self.sent, self.waits = joins, [], []
+        self.on_host = running
+
+    def still_running(self) -> bool | None:
+        return self.on_host
 
     def signal(self, sig: int) -> None:
         self.sent.append(sig)
@@ -194,3 +199,42 @@ def test_an_engine_its_hosts_watch_found_gone_is_not_stopped_over_ssh_again() ->
     engine.gone = False
     with pytest.raises(FileNotFoundError):
         _QueuedSSHEngineLauncher.signal(engine, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("running", [True, None], ids=["still-there", "host-did-not-say"])
+def test_an_engine_is_signalled_at_stop_only_if_it_did_not_exit_already(running: bool | None) -> None:
+    """The world asked its ranks to exit before the stop: one that did is neither signalled nor
+    waited for (ipyparallel starts Python on its host to wait); one still there, or whose host did
+    not say, is."""
+    exited = RecordingEngine([None], running=False)
+    asyncio.run(exited.stop())
+    assert exited.sent == [] and exited.waits == [] and exited.gone
+    there = RecordingEngine([None], running=running)
+    asyncio.run(there.stop())
+    assert there.sent == [signal.SIGTERM] and not there.gone
+
+
+def test_a_hosts_engines_stop_a_few_at_a_time_under_sshds_session_limit() -> None:
+    """Each stopping engine holds two ssh sessions (its signal, the wait for its exit): 12 engines of
+    one host stop STOPS_PER_HOST at a time, those of another host alongside."""
+    inside: dict[str, int] = {}
+    most: dict[str, int] = {}
+
+    class Slow(RecordingEngine):
+        async def join(self, timeout: float | None = None) -> None:
+            inside[self.location] = inside.get(self.location, 0) + 1
+            most[self.location] = max(most.get(self.location, 0), inside[self.location])
+            await asyncio.sleep(0.02)
+            inside[self.location] -= 1
+
+    async def stop_all() -> None:
+        engines = []
+        for host, count in (("h1", 12), ("h2", 3)):
+            for _ in range(count):
+                engine = Slow([])
+                engine.location = host
+                engines.append(engine)
+        await asyncio.gather(*(engine.stop() for engine in engines))
+
+    asyncio.run(stop_all())
+    assert most == {"h1": STOPS_PER_HOST, "h2": 3} and 2 * STOPS_PER_HOST < 10

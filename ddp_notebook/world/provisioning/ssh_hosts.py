@@ -34,6 +34,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -59,6 +60,8 @@ LOG_SECONDS = 20.0  # reading (and removing) a rank's log on its host
 # engines of one host starting at once: each start is a few ssh sessions in turn, and sshd refuses
 # a shared connection's sessions past its MaxSessions (10 by default)
 STARTS_PER_HOST = 6
+# engines of one host stopping at once: each holds two sessions (its signal, the wait for its exit)
+STOPS_PER_HOST = 4
 _SOCKET_PREFIX = "ssh-"
 _SHARING_OPTIONS = ("controlmaster", "controlpath", "controlpersist")
 
@@ -246,6 +249,18 @@ class _HostWatch:
                     engine.ended()
 
 
+# per event loop (a semaphore belongs to the loop it is used on), per host: the engines stopping there
+_stopping: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _stop_slots(host: str) -> asyncio.Semaphore:
+    """What bounds the engines of `host` stopping at once, whichever engine sets they belong to."""
+    per_host = _stopping.setdefault(asyncio.get_running_loop(), {})
+    return per_host.setdefault(host, asyncio.Semaphore(STOPS_PER_HOST))
+
+
 class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
     """ipyparallel's SSH engine launcher whose start is queued by its engine set, which runs the
     queue host by host at once; whose exit is noticed by its host's watch; and whose stop signals
@@ -343,12 +358,21 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
 
     async def stop(self) -> None:
         # ipyparallel signals over ssh on the engine set's loop (0.6 s an engine, one after another)
-        # and gives up at the first ssh that fails; here SIGKILL follows whatever SIGTERM's wait met.
-        # An engine its host's watch found gone is not asked again (a world that replaced many
-        # ranks would stop each of them over ssh, all at once)
-        if self.gone:
-            self.end_watch()
+        # and gives up at the first ssh that fails; here the engines of a host stop a few at a time
+        # (sshd's MaxSessions), and an engine its host's watch found gone is not asked again (a
+        # world that replaced many ranks would stop each of them over ssh, all at once)
+        if not self.gone:
+            async with _stop_slots(self.location):
+                await self._end_on_host()
+        self.end_watch()  # stopped or not (its host may be gone), nobody waits for it now
+
+    async def _end_on_host(self) -> None:
+        # the world asked its ranks to exit before: one `ps` says whether this one did (ipyparallel
+        # signals it and starts Python on its host to wait for it)
+        if await asyncio.to_thread(self.still_running) is False:
+            self.gone = True
             return
+        # SIGKILL follows whatever SIGTERM's wait met
         for signum, seconds in ((signal.SIGTERM, self.stop_seconds_until_kill), (signal.SIGKILL, self.stop_timeout)):
             try:
                 await asyncio.to_thread(self.signal, signum)
@@ -356,10 +380,14 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
                 log.debug("signal %s over ssh failed", signum, exc_info=True)
             try:
                 await self.join(timeout=seconds)
-                break
+                return
             except Exception:  # TimeoutError: still running; else ssh did not answer
                 log.debug("rank %s on %s still there after signal %s", self.pid, self.location, signum, exc_info=True)
-        self.end_watch()  # stopped or not (its host may be gone), nobody waits for it now
+
+    def still_running(self) -> bool | None:
+        """Whether the engine's process still runs on its host (None: the host did not say)."""
+        running = running_pids(self.host_command(), [self.pid])
+        return None if running is None else self.pid in running
 
 
 class ConcurrentSSHEngineSetLauncher(SSHEngineSetLauncher):
