@@ -13,7 +13,8 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
   the logs of the ranks it stopped itself: not of a rank lost and replaced, or left in a resize);
 - the hosts start, and stop, at once, as ipyparallel's own launchers (selected like any engine
   launcher): the first engine of each host alone (it makes the remote profile folder), then the
-  rest of that host's engines together, `STARTS_PER_HOST` at a time. Each engine is told its rank
+  rest of that host's engines together, `STARTS_PER_HOST` at a time (they stop `STOPS_PER_HOST` at
+  a time). Each engine is told its rank
   (the list's order), as ipyparallel's one-after-another start made it: rank 0 on the first host,
   whichever registers first;
 - one short ssh session every `WATCH_SECONDS` asks a host which of its ranks still run, for all of
@@ -295,12 +296,11 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
         # over the same connection, what it says kept for the log; an ssh that fails still raises
         if self.state != "running" or self.gone:
             return
-        command = [*self.ssh_cmd, *self.ssh_args, self.location, f"kill -{int(sig)} {int(self.pid)}"]
-        done = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SIGNAL_SECONDS, check=False
-        )
-        if done.returncode == SSH_FAILED:
-            raise subprocess.CalledProcessError(done.returncode, command, done.stdout, done.stderr)
+        kill = f"kill -{int(sig)} {int(self.pid)}"
+        done = run_on_host(self.host_command(), kill, SIGNAL_SECONDS)
+        if done is None or done.returncode == SSH_FAILED:
+            said = ("", "ssh did not end, or could not start") if done is None else (done.stdout, done.stderr)
+            raise subprocess.CalledProcessError(SSH_FAILED, [*self.host_command(), kill], *said)
         if done.returncode:
             log.debug("signal %s to rank %s on %s: %s", sig, self.pid, self.location, done.stderr.strip())
 
