@@ -599,6 +599,80 @@ def record_framework(name: str, title: str, world: DDPCluster, outcome: str) -> 
     )
 
 
+# ---------------------------------------------------------------- %%ddp --profile on GPUs
+
+# a launch-heavy MLP on each rank's GPU: the profiled steps run CUDA kernels, and NCCL's where the
+# world has more than one rank
+PROFILED_GPU_CELL = """
+torch.manual_seed(0)
+_gnet = ddp_notebook.prepare_model(torch.nn.Sequential(
+    torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).to(device))
+_gopt = torch.optim.SGD(_gnet.parameters(), lr=0.01)
+_gx = torch.randn(512, 1024, device=device)
+for _ in range(6):
+    _gopt.zero_grad()
+    _gnet(_gx).square().mean().backward()
+    _gopt.step()
+torch.cuda.synchronize(device)
+"""
+
+
+def test_a_profiled_gpu_cell_has_kernel_lanes_cuda_memory_and_holistic_trace_analysis(
+    gpu_world: DDPCluster, tmp_path: Path
+) -> None:
+    """`--profile` on NCCL ranks: each rank's trace holds kernels of its own GPU only, the timeline
+    a GPU lane per rank (compute; communication too past one rank), the memory samples CUDA's
+    allocated and reserved bytes, and Holistic Trace Analysis reads the traces where installed."""
+    from ddp_notebook import ProfileSettings
+    from ddp_notebook.live import hta_analysis
+
+    folder = tmp_path / "profiles"
+    gpu_world.execute(PROFILED_GPU_CELL, profile=ProfileSettings(steps=3, folder=folder), stream=False, timeout=300)
+    report = gpu_world.last_profile
+    assert report is not None and sorted(report.files) == list(range(gpu_world.world_size)), report
+    lanes = report.lanes()
+    rows = []
+    for info in gpu_world.ranks:
+        r = report.analysis.ranks[info.rank]
+        trace = json.loads(report.files[info.rank].read_text(encoding="utf8"))
+        kernels = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+        assert kernels, f"rank {info.rank}: no CUDA kernel in its trace"
+        devices = {int(e["args"]["device"]) for e in kernels if "device" in e.get("args", {})}
+        assert devices == {info.local_rank}, f"rank {info.rank} ran kernels on {devices}"
+        comm = [e["name"] for e in kernels if e["name"].startswith("nccl")]
+        assert lanes.get(f"rank {info.rank} GPU"), f"rank {info.rank}: no GPU lane in {sorted(lanes)}"
+        kinds = {s.category for s in r.gpu}
+        assert "compute" in kinds, kinds
+        assert [step.step for step in r.steps] == [2, 3, 4], "3 steps recorded after 1 skipped and 1 warm-up"
+        if gpu_world.world_size > 1:
+            assert comm and "communication" in kinds, (comm[:3], kinds)
+        assert len(r.memory) >= 3, r.memory
+        for sample in r.memory:
+            allocated, reserved = sample["cuda_allocated"], sample["cuda_reserved"]
+            assert allocated and reserved and reserved >= allocated, sample
+        rows.append([
+            info.rank, f"cuda:{info.local_rank}", len(kernels), len(comm), len(r.steps),
+            f"{r.step_seconds * 1000:.2f}", "" if r.gpu_idle is None else f"{r.gpu_idle * 1000:.2f}",
+            f"{max(m['cuda_allocated'] or 0 for m in r.memory) / 2**20:.1f}",
+        ])  # fmt: skip
+    drawn = {trace.name for trace in report.memory_figure().data}
+    assert {f"rank {info.rank} CUDA allocated" for info in gpu_world.ranks} <= drawn, drawn
+    hta_note = "Holistic Trace Analysis is not installed"
+    if hta_analysis.available():
+        assert report.hta is not None and report.hta.note == "", report.hta
+        assert {row["rank"] for row in report.hta.temporal} == set(range(gpu_world.world_size)), report.hta.temporal
+        hta_note = "Holistic Trace Analysis read every rank's trace: " + "; ".join(
+            f"rank {row['rank']} idle {row.get('idle_time_pctg', '?')}%" for row in report.hta.temporal
+        )
+    record(
+        "profile",
+        "%%ddp --profile on the GPU ranks (3 steps recorded)",
+        ["rank", "device", "kernels", "NCCL kernels", "steps", "ms/step", "GPU idle ms/step", "CUDA allocated MiB"],
+        rows,
+        hta_note,
+    )
+
+
 # ---------------------------------------------------------------- notebook 04 on GPUs
 
 

@@ -305,6 +305,9 @@ def gpu_trace(rank: int, late_us: float) -> dict[str, Any]:
         t0 = 1_000_000.0 + step * 2000.0
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step + 2}", "pid": pid, "tid": tid,
                        "ts": t0, "dur": 1900.0, "args": {}})  # fmt: skip
+        # torch also writes the step's span on the GPU's stream, from its first kernel to its last
+        events.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{step + 2}", "pid": 0,
+                       "tid": 7, "ts": t0 + 100 + late_us, "dur": 600.0, "args": {}})  # fmt: skip
         for name, start, dur, stream in (
             ("volta_sgemm_128x64_nn", t0 + 100 + late_us, 400.0, 7),
             ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", t0 + 400 + late_us, 300.0, 20),
@@ -331,6 +334,7 @@ def test_gpu_traces_get_a_kernel_lane_and_holistic_trace_analysis(tmp_path: Path
     analysis = analyse(traces)
     for rank in (0, 1):
         r = analysis.ranks[rank]
+        assert [step.step for step in r.steps] == [2, 3], "the GPU's copy of each step's span is not a step"
         assert {s.category for s in r.gpu} == {"compute", "communication", "idle"}
         assert r.overlap == pytest.approx(100 / 300, rel=0.01)  # the all-reduce overlaps the GEMM's last 100 us
     files = {}

@@ -156,9 +156,9 @@ def analyse_rank(rank: int, trace: dict[str, Any], memory: list[MemorySample]) -
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and "ts" in e]
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     offset_us, clock = _clock_offset(complete, trace)
-    steps = sorted(
-        (e for e in complete if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: float(e["ts"])
-    )
+    # on a GPU, torch also writes each step's span on the GPU's stream (`gpu_user_annotation`): not a step
+    marks = (e for e in complete if str(e.get("name", "")).startswith("ProfilerStep#"))
+    steps = sorted((e for e in marks if e.get("cat") in _HOST_CATEGORIES), key=lambda e: float(e["ts"]))
     main = (steps[0]["pid"], steps[0]["tid"]) if steps else None
     host_ops: list[tuple[float, float, str, str]] = []  # (start, end, kind, name) on the training thread
     in_flight: list[tuple[float, float]] = []  # collectives on the rank's other threads
