@@ -258,6 +258,7 @@ class DDPMagics(Magics):
         world.recorder = self.recorder
         _start_and_summarize(world, world.start)
         self.world, self.owns_world = world, True
+        _preload_widgets(browser=True)
 
     def adopt(self, world: DDPCluster) -> None:
         """Drive `world` (built in Python) from now on: `world.activate()`."""
@@ -269,7 +270,7 @@ class DDPMagics(Magics):
                 f"a world of {current.world_size} ranks started with %ddp_start is running: %ddp_stop it first"
             )
         world.recorder = self.recorder
-        _preload_widgets()
+        _preload_widgets(browser=True)
         self.world, self.owns_world = world, False
 
     # ---------------------------------------------------------------- %%ddp
@@ -593,10 +594,10 @@ class DDPMagics(Magics):
         return self.world
 
 
-def _preload_widgets() -> None:
+def _preload_widgets(browser: bool = False) -> None:
     from .live.widgets import preload
 
-    preload()
+    preload(browser)
 
 
 def _make_view(ranks: int) -> Any:

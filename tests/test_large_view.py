@@ -133,3 +133,41 @@ def test_the_text_view_of_a_large_world_groups_its_lines() -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) < 20, lines
     assert any("64 ranks" in line for line in lines), lines
+
+
+def test_each_figure_is_shown_once_it_holds_its_first_curves(comms: list[RecordingComm]) -> None:
+    """The page draws a figure as it first appears, and again for every trace or update that reaches
+    it after that. So a figure goes into its view (its box's children) only once it holds its traces
+    with their first points, sent in one message: the small view's curves, the large view's band,
+    median and outliers, and its heat map."""
+    from ddp_notebook.live.large_view import OUTLIERS
+    from ddp_notebook.live.widgets import LiveView
+
+    def points(value: Any) -> int:
+        return int(value["shape"][0]) if isinstance(value, dict) else len(value or [])
+
+    for ranks in (2, 64):
+        clock = Clock()
+        view = LiveView() if ranks == 2 else LargeWorldView(clock=clock)
+        feed = Feed(lambda view=view: view, clock=clock)
+        feed.size_hint = ranks
+        figures = [view.figure, *([view.heat_figure] if isinstance(view, LargeWorldView) else [])]
+        boxes = [view.plot, *([view.heat] if isinstance(view, LargeWorldView) else [])]
+        stream(feed, clock, ranks, seconds=5)
+        feed.finish()
+        for figure, box in zip(figures, boxes):
+            sent = next(c for c in comms if c.comm_id == figure.comm.comm_id).sent
+            shown_at = min(
+                when
+                for when, kind, data, _ in next(c for c in comms if c.comm_id == box.comm.comm_id).sent
+                if kind == "comm_msg" and f"IPY_MODEL_{figure.model_id}" in data.get("state", {}).get("children", [])
+            )
+            added = [(when, data["state"]["_py2js_addTraces"]) for when, _, data, _ in sent if
+                     data.get("state", {}).get("_py2js_addTraces")]  # fmt: skip
+            assert len(added) == 1, f"{ranks} ranks: {len(added)} messages to add the traces of one metric"
+            when, message = added[0]
+            assert when < shown_at, f"{ranks} ranks: a figure shown before its traces"
+            drawn = [points(trace.get("z") or trace.get("x")) for trace in message["trace_data"]]
+            assert max(drawn) > 0, f"{ranks} ranks: a figure shown with no points: {drawn}"
+        # one loss curve per rank; the band's two edges, the median and the outliers; the heat map
+        assert [len(figure.data) for figure in figures] == ([2] if ranks == 2 else [3 + OUTLIERS, 1])

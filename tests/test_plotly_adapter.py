@@ -38,6 +38,8 @@ def test_a_live_figure_sends_no_plotly_js_of_its_own() -> None:
     assert go.FigureWidget().get_state()["_esm"] == bundle and len(bundle) > 4_000_000  # plotly's own
     holder = plotly_adapter.plotly_code()
     assert holder.get_state()["code"] == bundle
+    # the page imports it once per plotly version, as soon as it has the holder (its `initialize`)
+    assert holder.get_state()["version"] == plotly.__version__ and "initialize" in holder.get_state()["_esm"]
     figures = [plotly_adapter.figure_widget(), plotly_adapter.figure_widget(layout={"height": 300})]
     figures[1].add_scatter(y=[1.0, 2.0], name="rank 0")
     for figure in figures:

@@ -46,6 +46,7 @@ HEAT_SECONDS = 2.0
 BAND_POINTS = 200
 # outlier ranks drawn per metric, and named in the table
 OUTLIERS = 3
+HEAT_HOVER = "ranks %{text}, %{x:.1f} s: %{z:.3g} s/step<extra></extra>"
 # the heat map's size: time bins by bands of ranks
 HEAT_COLUMNS = 40
 HEAT_ROWS = 32
@@ -136,76 +137,102 @@ class LargeWorldView(LiveView):
         names = metrics.names
         if not names:
             return
-        if not self.plot.children:
-            self.plot.children = (self.figure,)
         if names != self._names:
             self._names = names
             self._lay_out(names)
         ranks = metrics.ranks
+        curves = {name: self._curves(metrics, name, ranks) for name in names}
         with self.figure.batch_update():
-            for axis, name in enumerate(names):
-                first = self._traces_of(name, axis)
-                series = band(metrics, name, ranks, budget=BAND_POINTS)
-                traces = self.figure.data
-                xs = _array(series.steps)
-                for offset, ys in ((_BAND_LOW, series.low), (_BAND_HIGH, series.high), (_MEDIAN, series.median)):
-                    traces[first + offset].x, traces[first + offset].y = xs, _array(ys)
-                outliers = outlier_ranks(metrics, name, limit=OUTLIERS)
-                for slot in range(OUTLIERS):
-                    trace = traces[first + 3 + slot]
-                    if slot < len(outliers):
-                        steps, values = metrics.view(name, outliers[slot].rank)
-                        stride = max(1, math.ceil(len(steps) / BAND_POINTS))
-                        trace.x, trace.y = _array(list(steps[::stride])), _array(list(values[::stride]))
-                        label = f"rank {outliers[slot].rank}"
-                        if trace.name != label:
+            for name, drawn in curves.items():
+                first = self._metric_traces.get(name)
+                if first is None:
+                    continue  # added below, with its points
+                traces = self.figure.data[first : first + 3 + OUTLIERS]
+                for offset, (trace, (xs, ys, label)) in enumerate(zip(traces, drawn)):
+                    if offset < 3 or label is not None:  # the band and the median; a slot's outlier
+                        trace.x, trace.y = xs, ys
+                        if label is not None and (trace.name != label or not trace.visible):
                             trace.name, trace.visible = label, True
-                    elif trace.visible:
+                    elif trace.visible:  # a slot with no outlier now
                         trace.x, trace.y, trace.visible = [], [], False
+        for axis, name in enumerate(names):
+            if name not in self._metric_traces:
+                self._add_metric(name, axis, curves[name])
+        if not self.plot.children:
+            # shown once it holds its first curves: the page draws it once, instead of again for each
+            # message that would otherwise follow it there
+            self.plot.children = (self.figure,)
 
-    def _traces_of(self, name: str, axis: int) -> int:
-        """The index of `name`'s first trace, adding its traces on first use."""
-        first = self._metric_traces.get(name)
-        if first is not None:
-            return first
-        first = self._metric_traces[name] = len(self.figure.data)
+    def _curves(self, metrics: Any, name: str, ranks: Any) -> list[tuple[Any, Any, str | None]]:
+        """`name`'s curves as drawn: the band's two edges and the median (label None), then each
+        outlier slot, (x, y, "rank N") or empty with None."""
+        series = band(metrics, name, ranks, budget=BAND_POINTS)
+        xs = _array(series.steps)
+        drawn: list[tuple[Any, Any, str | None]] = [
+            (xs, _array(series.low), None),
+            (xs, _array(series.high), None),
+            (xs, _array(series.median), None),
+        ]
+        outliers = outlier_ranks(metrics, name, limit=OUTLIERS)
+        for slot in range(OUTLIERS):
+            if slot < len(outliers):
+                steps, values = metrics.view(name, outliers[slot].rank)
+                stride = max(1, math.ceil(len(steps) / BAND_POINTS))
+                drawn.append(
+                    (_array(list(steps[::stride])), _array(list(values[::stride])), f"rank {outliers[slot].rank}")
+                )
+            else:
+                drawn.append(([], [], None))
+        return drawn
+
+    def _add_metric(self, name: str, axis: int, drawn: list[tuple[Any, Any, str | None]]) -> None:
+        """`name`'s traces with their first points, in one message to the page (one redraw)."""
+        import plotly.graph_objects as go
+
+        self._metric_traces[name] = len(self.figure.data)
         suffix = "" if axis == 0 else str(axis + 1)
         where = {"xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
         escaped = html.escape(name)
         shown = axis == 0  # one legend for all metrics
         band_line = {"width": 0, "color": "rgba(31,119,180,0.25)"}
-        self.figure.add_scatter(x=[], y=[], name="10th percentile", line=band_line, showlegend=False, **where)
-        self.figure.add_scatter(
-            x=[],
-            y=[],
-            name="10th-90th percentile",
-            line=band_line,
-            fill="tonexty",
-            fillcolor="rgba(31,119,180,0.2)",
-            showlegend=shown,
-            legendgroup="band",
-            **where,
-        )
-        self.figure.add_scatter(
-            x=[],
-            y=[],
-            name="median",
-            line={"color": STATE_COLORS["running"], "width": 2},
-            showlegend=shown,
-            legendgroup="median",
-            hovertemplate=f"{escaped} median: %{{y:.4g}}<extra></extra>",
-            **where,
-        )
-        for _ in range(OUTLIERS):
-            self.figure.add_scatter(
-                x=[],
-                y=[],
-                visible=False,
-                line={"color": STATE_COLORS["failed"], "width": 1},
-                hovertemplate=f"{escaped}: %{{y:.4g}}<extra>%{{fullData.name}}</extra>",
+        (low_x, low_y, _), (high_x, high_y, _), (median_x, median_y, _), *outliers = drawn
+        traces = [
+            go.Scatter(x=low_x, y=low_y, name="10th percentile", line=band_line, showlegend=False, **where),
+            go.Scatter(
+                x=high_x,
+                y=high_y,
+                name="10th-90th percentile",
+                line=band_line,
+                fill="tonexty",
+                fillcolor="rgba(31,119,180,0.2)",
+                showlegend=shown,
+                legendgroup="band",
                 **where,
+            ),
+            go.Scatter(
+                x=median_x,
+                y=median_y,
+                name="median",
+                line={"color": STATE_COLORS["running"], "width": 2},
+                showlegend=shown,
+                legendgroup="median",
+                hovertemplate=f"{escaped} median: %{{y:.4g}}<extra></extra>",
+                **where,
+            ),
+        ]
+        for xs, ys, label in outliers:
+            traces.append(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    name=label,
+                    visible=label is not None,
+                    line={"color": STATE_COLORS["failed"], "width": 1},
+                    hovertemplate=f"{escaped}: %{{y:.4g}}<extra>%{{fullData.name}}</extra>",
+                    **where,
+                )
             )
-        return first
+        self.figure.add_traces(traces)
 
     def _lay_out(self, names: Any) -> None:
         layout = axes_layout(names)
@@ -224,27 +251,39 @@ class LargeWorldView(LiveView):
         matrix = feed.heat.matrix(columns=HEAT_COLUMNS, rows=HEAT_ROWS, ranks=sorted(feed.ranks))
         if not matrix.labels or len(matrix.edges) < 2:
             return
-        if not self.heat.children:
-            self.heat.children = (self.heat_figure,)
-            self.heat_figure.add_heatmap(
-                z=[], x=[], y=[], colorscale="YlOrRd", colorbar={"title": {"text": "s/step"}}, hoverongaps=False
-            )
         centers = [(low + high) / 2 for low, high in zip(matrix.edges, matrix.edges[1:])]
         # JSON rows with gaps as null (a 2-D binary array does not reach plotly.js as a heat map), in
         # 4 significant digits: 32 x 40 cells are a few KB
         z = [[None if value is None else float(f"{value:.4g}") for value in row] for row in matrix.values]
-        trace = self.heat_figure.data[0]
+        # rows by number, named by their ranks on the axis: labels such as "0-1" would be read as dates
         rows = list(range(len(matrix.labels)))
+        shape = (tuple(matrix.labels), len(centers))
+        # the hover's rank labels and the axis' ticks, sent when they change
+        labels = {} if shape == self._heat_shape else {"text": [[label] * len(centers) for label in matrix.labels]}
+        every = max(1, math.ceil(len(rows) / HEAT_TICKS))
+        ticks = {"tickvals": rows[::every], "ticktext": matrix.labels[::every]}
+        self._heat_shape = shape
+        x = [round(c, 2) for c in centers]
+        if not self.heat_figure.data:  # the first drawing: the map with its cells, in one message
+            self.heat_figure.layout.yaxis.update(ticks)
+            self.heat_figure.add_heatmap(
+                z=z,
+                x=x,
+                y=rows,
+                colorscale="YlOrRd",
+                colorbar={"title": {"text": "s/step"}},
+                hoverongaps=False,
+                hovertemplate=HEAT_HOVER,
+                **labels,
+            )
+            self.heat.children = (self.heat_figure,)  # shown with its cells: drawn once
+            return
+        trace = self.heat_figure.data[0]
         with self.heat_figure.batch_update():
-            # rows by number, named by their ranks on the axis: labels such as "0-1" would be read as dates
-            trace.x, trace.y, trace.z = [round(c, 2) for c in centers], rows, z
-            shape = (tuple(matrix.labels), len(centers))
-            if shape != self._heat_shape:  # the hover's rank labels and the axis' ticks, sent when they change
-                self._heat_shape = shape
-                trace.text = [[label] * len(centers) for label in matrix.labels]
-                trace.hovertemplate = "ranks %{text}, %{x:.1f} s: %{z:.3g} s/step<extra></extra>"
-                every = max(1, math.ceil(len(rows) / HEAT_TICKS))
-                self.heat_figure.layout.yaxis.update(tickvals=rows[::every], ticktext=matrix.labels[::every])
+            trace.x, trace.y, trace.z = x, rows, z
+            if labels:
+                trace.text = labels["text"]
+                self.heat_figure.layout.yaxis.update(ticks)
 
     # ------------------------------------------------------------ tables
 

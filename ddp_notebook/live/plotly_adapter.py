@@ -8,7 +8,9 @@ now into that state; `keep_current_figure` does what plotly itself does when a f
 A FigureWidget carries plotly.js (about 5 MB) in its `_esm`: every cell's live view sent it to
 the browser again and kept it in the saved widget state. `figure_widget` makes a FigureWidget
 whose `_esm` is a few hundred bytes: it imports plotly's own widget code from one widget per
-kernel that holds it (sent once), and hands plotly's widget the same model and element.
+kernel that holds it (sent once, and imported by the page as soon as it arrives: `plotly_code()`
+between cells spares the first live view that wait), and hands plotly's widget the same model and
+element.
 Exercised by `tests/test_plotly_adapter.py` (and the browser test that draws a live view);
 `pyproject.toml` bounds plotly to the versions they cover.
 """
@@ -22,20 +24,43 @@ from typing import Any
 # the widget code FigureWidget loads (plotly 7: its `_esm`, a file of the plotly package)
 _PLOTLY_ESM = "package_data/widgetbundle.js"
 
-# a figure's `_esm`: plotly's widget code from the kernel's one holder of it, imported once per
-# page (a Blob URL of its text), then plotly's own widget (a factory, one per figure) does the rest
-SHIM_ESM = """
+# plotly's widget code, imported from a holder's text once per page and plotly version (a Blob URL)
+_LOADER_JS = """
 const loaded = (globalThis.__ddpNotebookPlotly ??= new Map());
-function plotlyModule(model) {
-  const id = String(model.get("_plotly_code")).replace(/^IPY_MODEL_/, "");
-  if (!loaded.has(id)) {
-    loaded.set(id, (async () => {
-      const holder = await model.widget_manager.get_model(id);
+function plotlyFrom(holder) {
+  const key = String(holder.get("version"));
+  if (!loaded.has(key)) {
+    loaded.set(key, (async () => {
       const url = URL.createObjectURL(new Blob([holder.get("code")], { type: "text/javascript" }));
       try { return await import(url); } finally { URL.revokeObjectURL(url); }
     })());
   }
-  return loaded.get(id);
+  return loaded.get(key);
+}
+"""
+
+# the holder's `_esm`: it starts that import as soon as the page has the holder. Evaluating plotly.js
+# takes the page most of a second (on a slow CPU); started between cells (`preload`), it is done
+# before a cell's live view appears instead of freezing the page as the view comes in.
+HOLDER_ESM = (
+    _LOADER_JS
+    + """
+export default {
+  initialize({ model }) {
+    setTimeout(() => plotlyFrom(model).catch(() => {}), 0);  // a figure that needs it reports a failure
+  },
+};
+"""
+)
+
+# a figure's `_esm`: plotly's widget code from the kernel's holder of it (imported once per page),
+# then plotly's own widget (a factory, one per figure) does the rest
+SHIM_ESM = (
+    _LOADER_JS
+    + """
+async function plotlyModule(model) {
+  const id = String(model.get("_plotly_code")).replace(/^IPY_MODEL_/, "");
+  return plotlyFrom(await model.widget_manager.get_model(id));
 }
 export default () => {
   let plotly;
@@ -51,6 +76,7 @@ export default () => {
   };
 };
 """
+)
 
 _holder: Any = None
 
@@ -66,7 +92,9 @@ def plotly_code() -> Any:
     """The kernel's one widget holding plotly's widget code (made, and sent, on first use)."""
     global _holder
     if _holder is None or getattr(_holder, "comm", None) is None:  # closed: a new one
-        _holder = _code_holder_class()(code=_plotly_esm_text())
+        import plotly
+
+        _holder = _code_holder_class()(code=_plotly_esm_text(), version=plotly.__version__)
     return _holder
 
 
@@ -92,8 +120,9 @@ def _code_holder_class() -> Any:
         class PlotlyCode(anywidget.AnyWidget):  # type: ignore[misc]
             """plotly's widget code, for the figures of this kernel (never displayed)."""
 
-            _esm = "export default {}"
+            _esm = HOLDER_ESM
             code = traitlets.Unicode().tag(sync=True)
+            version = traitlets.Unicode().tag(sync=True)
 
         _classes["holder"] = PlotlyCode
     return _classes["holder"]

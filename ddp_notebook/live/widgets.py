@@ -47,17 +47,30 @@ def widget_frontend() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def preload() -> None:
+def preload(browser: bool = False) -> None:
     """Import what the live view needs (ipywidgets, plotly's FigureWidget) as soon as the kernel
-    is idle, where widgets will be shown.
+    is idle, where widgets will be shown; with `browser` (a world is there to train), also send
+    the page plotly.js now, which the page evaluates as it arrives.
 
     The first import takes over a second (anywidget, and nbformat's schema checker through
     plotly's renderers): done between cells, the first live view of a cell appears at once
     instead of that late. It runs on the kernel's own thread, never beside a cell: an import on
     another thread races the user's imports of the same packages (a half-initialised module),
-    and holds the GIL a starting world needs.
+    and holds the GIL a starting world needs. The page takes most of a second to evaluate
+    plotly.js on a slow CPU; done as the first live view arrived, it froze the page mid-cell. Its
+    holder is sent at once (ipywidgets and anywidget import in tens of milliseconds where IPython
+    runs): "between cells" comes too late where cells run back to back (Run All).
     """
-    if not widget_frontend() or "plotly.graph_objs._figurewidget" in sys.modules:
+    if not widget_frontend():
+        return
+    if browser:
+        try:
+            from . import plotly_adapter
+
+            plotly_adapter.plotly_code()  # once per kernel
+        except Exception:  # noqa: BLE001  (the live view reports it when it is made)
+            pass
+    if "plotly.graph_objs._figurewidget" in sys.modules:
         return
     from IPython import get_ipython
 
@@ -436,34 +449,41 @@ class LiveView:
         keys = metrics.keys()
         if not keys:
             return
-        if not self.plot.children:
-            self.plot.children = (self.figure, self.smoothing)
         weight = self.smoothing.value
         budget = 0 if final else self._live_budget
         names = metrics.names
         if names != self._names:
             self._names = names
             self._lay_out(names)
+        changed: dict[tuple[str, int], tuple[Any, Any, str]] = {}
+        for key in keys:
+            name, rank = key
+            steps, values = metrics.view(name, rank)
+            shown = (len(steps), budget, weight)
+            if self._drawn.get(key) == shown:
+                continue
+            self._drawn[key] = shown
+            if weight > 0:
+                smoother = self._smoothers.get(key)
+                if smoother is None or smoother.weight != weight:
+                    smoother = self._smoothers[key] = Smoother(weight)
+                values = smoother.extend(values)
+            xs, ys = live_points(steps, values, budget)
+            changed[key] = (_array(xs), _array(ys), "lines+markers" if len(xs) <= 50 else "lines")
         with self.figure.batch_update():
-            for key in keys:
-                name, rank = key
-                steps, values = metrics.view(name, rank)
-                shown = (len(steps), budget, weight)
-                if self._drawn.get(key) == shown:
-                    continue
-                self._drawn[key] = shown
-                if weight > 0:
-                    smoother = self._smoothers.get(key)
-                    if smoother is None or smoother.weight != weight:
-                        smoother = self._smoothers[key] = Smoother(weight)
-                    values = smoother.extend(values)
-                xs, ys = live_points(steps, values, budget)
-                index = self._trace_index(key, names.index(name))
+            for key, (xs, ys, mode) in changed.items():
+                index = self._traces.get(key)
+                if index is None:
+                    continue  # added below, with its points
                 trace = self.figure.data[index]
-                trace.x, trace.y = _array(xs), _array(ys)
-                mode = "lines+markers" if len(xs) <= 50 else "lines"
+                trace.x, trace.y = xs, ys
                 if trace.mode != mode:  # every assignment is a message to the browser
                     trace.mode = mode
+        self._add_traces({key: drawn for key, drawn in changed.items() if key not in self._traces}, names)
+        if not self.plot.children:
+            # shown once it holds its first curves: the page draws it once, instead of again for each
+            # message that would otherwise follow it there
+            self.plot.children = (self.figure, self.smoothing)
 
     def _lay_out(self, names: Sequence[str]) -> None:
         layout = axes_layout(names)
@@ -474,28 +494,39 @@ class LiveView:
             self.figure.layout[key] = layout.pop(key)
         self.figure.update_layout(**layout)
 
-    def _trace_index(self, key: tuple[str, int], axis: int) -> int:
-        index = self._traces.get(key)
-        if index is not None:
-            return index
-        name, rank = key
-        suffix = "" if axis == 0 else str(axis + 1)
-        first_of_rank = all(other_rank != rank for _, other_rank in self._traces)
-        self.figure.add_scatter(
-            x=[],
-            y=[],
-            name=f"rank {rank}",
-            meta=name,
-            legendgroup=f"rank {rank}",
-            legendrank=rank,
-            showlegend=first_of_rank,
-            line={"color": _rank_color(rank)},
-            xaxis=f"x{suffix}",
-            yaxis=f"y{suffix}",
-            hovertemplate=f"{html.escape(name)}: %{{y:.4g}}<extra>rank {rank}</extra>",
-        )
-        index = self._traces[key] = len(self.figure.data) - 1
-        return index
+    def _add_traces(self, curves: dict[tuple[str, int], tuple[Any, Any, str]], names: Sequence[str]) -> None:
+        """A curve for each (metric, rank) of `curves` with its first points (x, y, mode), all in one
+        message to the page (one redraw)."""
+        if not curves:
+            return
+        import plotly.graph_objects as go
+
+        ranks_drawn = {rank for _, rank in self._traces}
+        traces = []
+        for (name, rank), (xs, ys, mode) in curves.items():
+            axis = names.index(name)
+            suffix = "" if axis == 0 else str(axis + 1)
+            traces.append(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode=mode,
+                    name=f"rank {rank}",
+                    meta=name,
+                    legendgroup=f"rank {rank}",
+                    legendrank=rank,
+                    showlegend=rank not in ranks_drawn,
+                    line={"color": _rank_color(rank)},
+                    xaxis=f"x{suffix}",
+                    yaxis=f"y{suffix}",
+                    hovertemplate=f"{html.escape(name)}: %{{y:.4g}}<extra>rank {rank}</extra>",
+                )
+            )
+            ranks_drawn.add(rank)
+        first = len(self.figure.data)
+        self.figure.add_traces(traces)
+        for offset, key in enumerate(curves):
+            self._traces[key] = first + offset
 
     def _smoothing_changed(self, _: Any) -> None:
         # redraw with the new weight (in a live cell, the next redraw picks it up)
