@@ -3,7 +3,7 @@ on every subject and writes results/peers.md.
 
     python benchmarks/run.py SCENARIO [--subjects a,b,...] [--ranks N] [--repeats K] [--json PATH] [options]
     python benchmarks/run.py all          # results/<scenario>.json for each
-    python benchmarks/run.py scale [--sizes 2,8,...] [--browser N]   # a simulated world as ranks grow
+    python benchmarks/run.py scale [--sizes 2,8,...] [--browser N] [--hosts K]   # a simulated world as ranks grow
     bash benchmarks/peers_env.sh && benchmarks/.peers-venv/bin/python benchmarks/run.py peers
 
 Exits non-zero if a subject failed, or if any process started by the run outlived it.

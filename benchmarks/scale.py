@@ -1,6 +1,6 @@
 """What a world costs as its rank count grows: a simulation with light ranks, in a real kernel.
 
-    python benchmarks/run.py scale [--sizes 2,8,32,128,256] [--seconds 5] [--json PATH]
+    python benchmarks/run.py scale [--sizes 2,8,32,128,256] [--seconds 5] [--json PATH] [--hosts K]
     python benchmarks/scale.py ...   (the same)
 
 SIMULATED RANKS: each rank is a real ipyparallel engine forked from the warm template, with the
@@ -21,6 +21,11 @@ For each size, in a fresh Jupyter kernel driven as a notebook front end drives i
   until the front end gets the error naming it;
 - a rank's memory: the mean unique (USS) memory of the ranks, and so how many fit the memory free.
 
+With `--hosts K` (as root): the ranks spread evenly over K "hosts" made of network namespaces with
+an sshd each (tests/multihost.py), started by the SSH launcher with the controller on the bridge
+(CurveZMQ). No warm template runs on a host, so every rank there is a Python process of its own
+that imports torch: its memory is a real remote rank's, not a fork's.
+
 With `--browser N`: the same streaming cell at N ranks in JupyterLab, drawn by a real chromium
 (Playwright), the aggregate live view on screen: the time between the page's frames from when rank
 0's loop began to when it ended (median, 99th percentile, longest; the first and the last frame
@@ -32,6 +37,7 @@ sharing every CPU with the kernel, JupyterLab and the N ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -51,9 +57,10 @@ from subjects import SETUP_TIMEOUT, Kernel
 SIZES = (2, 8, 32, 128, 256)
 ROUND_TRIPS = 5
 START = """
-import json, time, ddp_notebook
+import json, time, warnings, ddp_notebook
+warnings.simplefilter("ignore", ddp_notebook.InsecureNetworkWarning)  # --hosts: a bridge of this machine's own
 _began = time.perf_counter()
-world = ddp_notebook.DDPCluster({n}, simulated=True, on_loss="stop", start_timeout={start_timeout})
+world = ddp_notebook.DDPCluster({n}, simulated=True, on_loss="stop", start_timeout={start_timeout}{spread})
 world.start()
 world.activate()
 print("SCALE", json.dumps({{"start_s": time.perf_counter() - _began, "rank_pids": [i.pid for i in world.ranks],
@@ -117,12 +124,25 @@ def run_cell(kernel: Kernel, code: str, timeout: float) -> Any:
     return cell
 
 
-def measure(n: int, seconds: float) -> dict[str, Any]:
+def spread_over(n: int, hosts: Any) -> str:
+    """The DDPCluster options that spread `n` ranks evenly over the namespace `hosts` (SSH), or ""."""
+    if hosts is None:
+        return ""
+    network, ssh = hosts
+    names = [host.name for host in network]
+    slots = ",".join(f"{name}:{n // len(names) + (index < n % len(names))}" for index, name in enumerate(names))
+    return f', launcher="ssh", hosts={slots!r}, ssh_args={list(ssh.ssh_args)!r}, ip={network.address!r}'
+
+
+def measure(n: int, seconds: float, hosts: Any = None) -> dict[str, Any]:
     kernel = CountingKernel(sys.executable, dict(os.environ))
     row: dict[str, Any] = {"ranks": n}
     try:
         run_cell(kernel, "%load_ext ddp_notebook", SETUP_TIMEOUT)
-        started = run_cell(kernel, START.format(n=n, start_timeout=max(120, n)), max(SETUP_TIMEOUT, 2.0 * n))
+        # over SSH every rank is a process of its own (no template to fork from on a host): slower to start
+        start_timeout = max(120, n) * (1 if hosts is None else 4)
+        code = START.format(n=n, start_timeout=start_timeout, spread=spread_over(n, hosts))
+        started = run_cell(kernel, code, start_timeout + SETUP_TIMEOUT)
         facts = json.loads(re.search(r"SCALE (\{.*\})", started.text).group(1))
         row["start_s"] = facts["start_s"]
         kernel_process = psutil.Process(kernel.pid)
@@ -295,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="the streaming cell's length (default: 5)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows here")
     parser.add_argument("--browser", type=int, metavar="N", help="also: frame gaps in JupyterLab at N ranks")
+    parser.add_argument(
+        "--hosts", type=int, metavar="K", help="the ranks spread evenly over K network-namespace hosts, over SSH (root)"
+    )
     args = parser.parse_args(argv)
+    if args.hosts is not None and (args.hosts < 1 or os.geteuid() != 0):
+        parser.error("--hosts K (K >= 1) makes network namespaces and runs an sshd in each: run it as root")
     sizes = [int(size) for size in args.sizes.split(",")]
     exit_on_sigterm()
     info = machine_info()
@@ -303,14 +328,23 @@ def main(argv: list[str] | None = None) -> int:
     print("== SIMULATED ranks (torch's fake process group): the control plane's cost, not a real world's")
     rows: list[dict[str, Any]] = []
     status = 0
-    for n in sizes:
-        began = time.monotonic()
-        try:
-            rows.append(measure(n, args.seconds))
-        except RuntimeError as failure:  # said in the table, and the other sizes still measured
-            rows.append({"ranks": n, "error": str(failure).strip().splitlines()[-1][:300]})
-            status = 1
-        print(f"   {n} ranks measured in {time.monotonic() - began:.0f} s", flush=True)
+    with contextlib.ExitStack() as hosts_made:
+        hosts = None
+        if args.hosts:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.multihost import network_namespaces, ssh_hosts
+
+            network = hosts_made.enter_context(network_namespaces(args.hosts))
+            hosts = (network, hosts_made.enter_context(ssh_hosts(network)))
+            print(f"== over {args.hosts} network-namespace hosts ({', '.join(h.name for h in network)}), SSH launcher")
+        for n in sizes:
+            began = time.monotonic()
+            try:
+                rows.append(measure(n, args.seconds, hosts))
+            except RuntimeError as failure:  # said in the table, and the other sizes still measured
+                rows.append({"ranks": n, "error": str(failure).strip().splitlines()[-1][:300]})
+                status = 1
+            print(f"   {n} ranks measured in {time.monotonic() - began:.0f} s", flush=True)
     print()
     print_table([title for _, title in COLUMNS], [[row.get(key) for key, _ in COLUMNS] for row in rows])
     for row in rows:
@@ -330,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"gaps over 100 ms at {measured['over_100ms_at_s']} s",
                 flush=True,
             )
-    payload = {"command": " ".join([sys.executable, *sys.argv]), "machine": info, "rows": rows, "browser": frames}
+    payload = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": info,
+        "hosts": args.hosts,
+        "rows": rows,
+        "browser": frames,
+    }
     write_json(args.json, payload)
     return status
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +20,7 @@ from ddp_notebook.world.provisioning.ssh_hosts import (
     STOPS_PER_HOST,
     _HostStarts,
     _QueuedSSHEngineLauncher,
+    end_on_hosts,
     host_arguments,
     running_pids,
     sharing_options,
@@ -238,3 +242,86 @@ def test_a_hosts_engines_stop_a_few_at_a_time_under_sshds_session_limit() -> Non
 
     asyncio.run(stop_all())
     assert most == {"h1": STOPS_PER_HOST, "h2": 3} and 2 * STOPS_PER_HOST < 10
+
+
+class LocalEngine(_QueuedSSHEngineLauncher):
+    """A launcher of a real local process whose "host" is a local shell (`sh -c` for ssh): what it
+    records is what the world's stop told ipyparallel."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: Path, command: tuple[str, ...] = ("sh", "-c")) -> None:
+        super().__init__()
+        self.process, self.command, self.told = process, command, []
+        self.notify_start({"host": "local", "pid": process.pid})
+        self.pid, self.remote_output_file = process.pid, str(log)
+
+    def host_command(self) -> tuple[str, ...]:
+        return self.command
+
+    def exited(self, exit_code: int) -> None:
+        self.told.append(exit_code)
+
+
+IGNORES_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+)
+
+
+def test_a_worlds_stop_ends_each_hosts_ranks_in_one_session_sigterm_then_sigkill(tmp_path: Path) -> None:
+    """What still runs of a world's ranks at its stop is ended host by host, one ssh session each:
+    SIGTERM, then SIGKILL for what ignored it; an engine that had exited (a zombie here) counts as
+    ended; every log goes; each engine is marked gone and reported as exited. A host that does not
+    answer (ssh's 255) leaves its engines as they were, to their own stop."""
+    polite = subprocess.Popen(["sleep", "60"])
+    stubborn = subprocess.Popen([sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE)
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
+    done = subprocess.Popen(["true"])
+    lost = subprocess.Popen(["sleep", "60"])
+    logs = [tmp_path / f"ipengine-{n}.out" for n in range(4)]
+    for log in logs:
+        log.write_text("a rank's output\n")
+    engines = [LocalEngine(process, log) for process, log in zip((polite, stubborn, done), logs)]
+    on_lost_host = LocalEngine(lost, logs[3], ("sh", "-c", "exit 255", "ssh"))
+    try:
+        time.sleep(0.2)  # `true` has exited: a zombie until waited for
+        began = time.monotonic()
+        end_on_hosts([*engines, on_lost_host])
+        took = time.monotonic() - began
+        for process in (polite, stubborn, done):
+            assert process.wait(timeout=5) is not None
+        assert polite.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL
+        assert 1.5 < took < 10, took  # SIGKILL came after SIGTERM's grace, not at once
+        assert all(engine.gone and engine.told == [-1] and engine.log_removed for engine in engines)
+        assert [log.exists() for log in logs] == [False, False, False, True]
+        assert lost.poll() is None and not on_lost_host.gone and on_lost_host.told == []
+        # a launcher of another class (ipyparallel's own, configured by the user) is left to its own stop
+        end_on_hosts([object(), on_lost_host])
+    finally:
+        for process in (polite, stubborn, done, lost):
+            process.kill()
+            process.wait()
+
+
+def test_waiting_for_an_ssh_engine_asks_its_host_with_ps(tmp_path: Path) -> None:
+    """A join asks the host with `ps` over the world's connection, never starting Python there
+    (ipyparallel's way, an ssh session that makes a shared connection of its own once the world's
+    ended): still running past the limit is TimeoutError, ended is -1, a host that does not say is
+    an error."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    log = tmp_path / "ipengine-0.out"
+    log.write_text("its output\n")
+    engine: Any = LocalEngine(sleeper, log)
+    try:
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            engine.wait_one(0.6)
+        assert 0.5 < time.monotonic() - began < 5
+        sleeper.terminate()
+        sleeper.wait()
+        assert engine.wait_one(5) == -1
+        assert engine.log_text == "its output\n" and not log.exists()  # read, and removed, once it ended
+        engine.command = ("sh", "-c", "exit 255", "ssh")
+        with pytest.raises(RuntimeError, match="did not say"):
+            engine.wait_one(1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -185,6 +185,10 @@ class ControlledProvisioner(Provisioner):
                 log.debug("closing the client failed", exc_info=True)
         if cluster is not None:
             try:
+                self._end_ranks_elsewhere(cluster)
+            except Exception:  # what it left, the launchers' own stop ends
+                log.debug("ending the ranks on other hosts failed", exc_info=True)
+            try:
                 processes.run_with_timeout(cluster.stop_cluster_sync, STOP_SECONDS)
             except Exception:
                 log.debug("stopping the cluster failed", exc_info=True)
@@ -193,6 +197,9 @@ class ControlledProvisioner(Provisioner):
             # this stop is the last: ipyparallel's own at exit (or when the object is collected)
             # would stop what is already ended again, over ssh configs that may be gone by then
             cluster.shutdown_atexit = False
+
+    def _end_ranks_elsewhere(self, cluster: Any) -> None:
+        """End the ranks on other hosts that are still there once asked to exit (a launcher's own way)."""
 
 
 def launched_pids(cluster: Any) -> list[int]:

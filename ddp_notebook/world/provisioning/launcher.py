@@ -237,6 +237,18 @@ class LauncherProvisioner(ControlledProvisioner):
             if left:  # each ends by itself once idle
                 log.debug("shared ssh connections that did not end at once: %s", left)
 
+    def _end_ranks_elsewhere(self, cluster: Any) -> None:
+        if self.config.launch.launcher != "ssh":
+            return  # a batch system's ranks end with their job; MPI's with mpiexec
+        ssh_hosts.end_on_hosts(
+            [
+                launcher
+                for engine_set in cluster.engines.values()
+                for launcher in (getattr(engine_set, "launchers", None) or {}).values()
+                if runs_elsewhere(launcher)
+            ]
+        )
+
     def start_failure(self) -> str | None:
         return self.describe_start_exit(f"the {self.config.launch.launcher} launcher", WORLD_ENGINE_SET)
 

@@ -21,7 +21,9 @@ exchange of its own: a world of 2 hosts spent 3.7 s there before any rank ran. H
   them (`_HostWatch`). ipyparallel held a session open per engine for its whole life, waiting on it:
   past about 8 ranks a host, sshd's `MaxSessions` (10 by default) refused the sessions beyond it over
   the shared connection, and ssh said so on the kernel's stderr, under the user's cell, as it fell
-  back to a connection of its own.
+  back to a connection of its own;
+- a world's stop ends what still runs of its ranks in one ssh session per host (`end_on_hosts`),
+  before ipyparallel's stop, engine after engine, would.
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ LOG_SECONDS = 20.0  # reading (and removing) a rank's log on its host
 STARTS_PER_HOST = 6
 # engines of one host stopping at once: each holds two sessions (its signal, the wait for its exit)
 STOPS_PER_HOST = 4
+# at a world's stop, the ranks still running on a host are ended in one ssh session for all of them:
+# SIGTERM, up to this long for them to go, SIGKILL, as long again; the session itself is bounded too
+SWEEP_GRACE_SECONDS = 2.0
+SWEEP_SSH_SECONDS = 30.0
+# a join with no limit (ipyparallel's default) still ends
+JOIN_SECONDS = 30.0
+# the host's side of a sweep: POSIX sh and ps; "left:" lists what still runs (zombies have ended)
+_SWEEP = """p='{pids}'
+left() {{ ps -o pid= -o stat= -p "$p" 2>/dev/null | awk '$2 !~ /^Z/ {{printf "%s ", $1}}'; }}
+for s in TERM KILL; do
+  l=$(left); [ -z "$l" ] && break
+  kill -$s $l 2>/dev/null
+  i=0; while [ $i -lt {ticks} ]; do l=$(left); [ -z "$l" ] && break; sleep 0.1; i=$((i+1)); done
+done
+rm -f {logs}
+echo "left: $(left)"
+"""
 _SOCKET_PREFIX = "ssh-"
 _SHARING_OPTIONS = ("controlmaster", "controlpath", "controlpersist")
 
@@ -208,6 +227,50 @@ def running_pids(command: Sequence[str], pids: Sequence[int]) -> set[int] | None
     return running
 
 
+def end_on_hosts(engines: Sequence[Any], seconds: float = SWEEP_SSH_SECONDS) -> None:
+    """End what still runs of `engines` (SSH engine launchers of one world) and remove their logs,
+    in one ssh session per host for all of its engines, the hosts at once.
+
+    Meant for a world's stop, once its ranks were asked to exit: ipyparallel's stop, engine after
+    engine, signals each over ssh and starts Python on its host to wait for it, and a world waits
+    for that only so long. With 16 ranks a host on a loaded machine it gave up with ranks still
+    running there, and its late ssh sessions, after the world's shared connections had ended, each
+    tried to open one of its own in the removed folder ("unix_listener: cannot bind to path") on the
+    kernel's stderr. An engine found ended is marked gone (its own stop then sends nothing); a host
+    that does not answer leaves its engines to that stop."""
+    by_host: dict[tuple[str, ...], list[Any]] = {}
+    for engine in engines:
+        if not isinstance(engine, _QueuedSSHEngineLauncher):
+            continue  # another launcher class (ipyparallel's own, configured): its own stop ends it
+        if engine.state == "running" and not engine.gone and int(engine.pid or -1) > 0:
+            by_host.setdefault(engine.host_command(), []).append(engine)
+
+    def sweep(command: tuple[str, ...], group: list[Any]) -> None:
+        logs = " ".join(shlex.quote(engine.remote_output_file) for engine in group if not engine.log_removed)
+        remote = _SWEEP.format(
+            pids=",".join(str(int(engine.pid)) for engine in group),
+            ticks=int(SWEEP_GRACE_SECONDS * 10),
+            logs=logs or "/dev/null/nothing",
+        )
+        done = run_on_host(command, remote, seconds)
+        said = [line for line in (done.stdout.splitlines() if done is not None else []) if line.startswith("left:")]
+        if done is None or done.returncode != 0 or not said:
+            log.debug("ending the ranks on %s failed: %s", command[-1], done and done.stderr.strip())
+            return
+        left = {int(pid) for pid in said[-1].removeprefix("left:").split() if pid.isdigit()}
+        for engine in group:
+            if int(engine.pid) in left:
+                continue
+            with engine.reading:
+                engine.log_text = engine.log_text if engine.log_text is not None else ""
+                engine.log_removed = True
+            engine.gone = True
+            engine.end_watch()
+            engine.exited(-1)
+
+    _together([lambda command=command, group=group: sweep(command, group) for command, group in by_host.items()])
+
+
 class _HostWatch:
     """Notices which engines of one host ended, asking for all of them in one short ssh session
     every `WATCH_SECONDS`; ends once none is left to watch."""
@@ -318,10 +381,22 @@ class _QueuedSSHEngineLauncher(WatchedExit, SSHEngineLauncher):
         self._read_log()
         self.exited(-1)  # not the host's child: its exit status is not known there (ipyparallel's -1 too)
 
-    def wait_one(self, timeout: float) -> int:
-        code: int = super().wait_one(timeout)  # raises TimeoutError while the engine runs
-        self._read_log()
-        return code
+    def wait_one(self, timeout: float | None) -> int:
+        """Until the engine has ended (-1: its status is not known off its host) or `timeout` passed
+        (TimeoutError). ipyparallel starts Python on the host to wait there, over an ssh session that
+        would open a shared connection of its own once the world's had ended."""
+        deadline = time.monotonic() + (JOIN_SECONDS if timeout is None else timeout)
+        while True:
+            running = running_pids(self.host_command(), [self.pid])
+            if running is None:
+                raise RuntimeError(f"{self.location} did not say whether rank process {self.pid} still runs")
+            if self.pid not in running:
+                self._read_log()
+                return -1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("still running")
+            time.sleep(min(0.5, left))
 
     def _read_log(self) -> None:
         # read (and removed from its host) as soon as the engine ends, off the engine set's loop;
