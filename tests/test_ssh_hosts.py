@@ -294,7 +294,9 @@ def test_a_worlds_stop_ends_each_hosts_ranks_in_one_session_sigterm_then_sigkill
         assert [log.exists() for log in logs] == [False, False, False, True]
         assert lost.poll() is None and not on_lost_host.gone and on_lost_host.told == []
         # a launcher of another class (ipyparallel's own, configured by the user) is left to its own stop
-        end_on_hosts([object(), on_lost_host])
+        other = object()
+        end_on_hosts([other])
+        assert not hasattr(other, "gone")
     finally:
         for process in (polite, stubborn, done, lost):
             process.kill()
