@@ -49,39 +49,6 @@ def test_callbacks_run_on_the_io_thread(world: DDPCluster) -> None:
     assert ran_on and ran_on[0] != threading.get_ident()
 
 
-def test_a_cells_messages_wake_the_io_thread_once(world: DDPCluster) -> None:
-    """Within `one_wakeup`, the client's sends to every rank reach its IO thread in one callback,
-    in order (every rank runs its cells in the order sent); another thread's callback is not held."""
-    client = _client(world)
-    engines = [info.engine_id for info in world.ranks]
-    loop = client._io_loop
-    handed: list[object] = []
-    real = loop.add_callback
-
-    def spy(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
-        handed.append(callback)
-        real(callback, *args, **kwargs)
-
-    loop.add_callback = spy
-    other_ran = threading.Event()
-    try:
-        with ipp_adapter.one_wakeup(client):
-            first = client[engines].execute("order = [1]", block=False)
-            second = client[engines].execute("order.append(2)", block=False)
-            other = threading.Thread(target=lambda: loop.add_callback(other_ran.set))
-            other.start()
-            other.join(10)
-            assert other_ran.wait(10), "another thread's callback waited for the window to close"
-            assert len(handed) == 1  # that one: nothing of this thread's was handed over yet
-        assert len(handed) == 2  # all of this thread's sends, in one
-    finally:
-        del loop.add_callback
-    assert loop.add_callback == real  # the loop's own method again
-    first.get(timeout=30)
-    second.get(timeout=30)
-    assert client[engines].pull("order", block=True) == [[1, 2]] * len(engines)
-
-
 def test_queue_request_answers_per_engine(world: DDPCluster) -> None:
     reply = ipp_adapter.send_queue_request(_client(world))
     assert reply.wait(10)

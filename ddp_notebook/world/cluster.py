@@ -42,7 +42,7 @@ from ..live.profile_view import ProfileReport
 from ..platform import devices, limits
 from ..rank import calls as rank_calls
 from ..wire.results import CellResult, Death, MemoryReading, RankInfo, RankStatus
-from . import comeback, config, export, forming, ipp_adapter, provisioning
+from . import comeback, config, export, forming, provisioning
 from . import sync as file_sync
 from .config import WorldConfig
 from .controller import QUERY_SECONDS
@@ -416,12 +416,10 @@ class DDPCluster:
         relay = CellRelay(world.client, targets)
         result = CellResult(ranks=targets)
         view = world.view(tuple(world.engines(targets)))
-        with ipp_adapter.one_wakeup(world.client):  # a message per rank, one wake of the IO thread
-            if len(targets) != self.world_size:
-                # queued ahead of the cell on the same ranks, so no round trip is waited for
-                view.apply_async(rank_calls.skip_cell_snapshot)
-            sent = view.execute(code, silent=False, block=False)
-        relay.attach(sent)
+        if len(targets) != self.world_size:
+            # queued ahead of the cell on the same ranks, so no round trip is waited for
+            view.apply_async(rank_calls.skip_cell_snapshot)
+        relay.attach(view.execute(code, silent=False, block=False))
         # the live view shows the ranks' memory and collective X-ray too; a caller's own on_data
         # gets rank data only
         feed = on_data if isinstance(on_data, live_feed.Feed) else None

@@ -8,15 +8,10 @@ fails there first.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
-import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-log = logging.getLogger("ddp_notebook")
 
 
 def message_futures(async_result: Any) -> Sequence[Any]:
@@ -33,47 +28,6 @@ def on_io_thread(client: Any, callback: Callable[[], None]) -> None:
     Registering a message callback there means each message is seen exactly once.
     """
     client._io_loop.add_callback(callback)
-
-
-@contextlib.contextmanager
-def one_wakeup(client: Any) -> Iterator[None]:
-    """The messages this thread hands `client` meanwhile reach its IO thread in one callback.
-
-    The client hands each message it sends to its IO thread with an `add_callback` of its own, each
-    a write to the event loop's wake-up socket and a wake of that thread competing for the GIL: a
-    cell sent to 64 ranks spent 14 ms there, a fifth of the kernel's share of its round trip. Other
-    threads' callbacks go through at once, as before; this thread's run in the order handed over.
-    """
-    loop = client._io_loop
-    shadowed = loop.__dict__.get("add_callback")
-    original = loop.add_callback
-    owner = threading.get_ident()
-    pending: list[Callable[[], Any]] = []
-
-    def collect(callback: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        if threading.get_ident() != owner:
-            original(callback, *args, **kwargs)
-        else:
-            pending.append(functools.partial(callback, *args, **kwargs))
-
-    loop.add_callback = collect
-    try:
-        yield
-    finally:
-        if shadowed is None:
-            del loop.add_callback
-        else:
-            loop.add_callback = shadowed
-        if pending:
-            original(functools.partial(_run_each, pending))
-
-
-def _run_each(callbacks: Sequence[Callable[[], Any]]) -> None:
-    for callback in callbacks:
-        try:
-            callback()
-        except Exception:  # one failed send does not hold back the others (tornado logs each its own)
-            log.error("a message to the ranks could not be sent", exc_info=True)
 
 
 def send_queue_request(client: Any) -> Any:
