@@ -145,13 +145,15 @@ class LauncherProvisioner(ControlledProvisioner):
             if getattr(launcher, "pid", -1) == info.pid and host == self.listed_host.get((info.host, info.pid))
         ]
 
-    def _remote_launchers(self) -> list[tuple[str, Any]]:
-        """(host as listed, launcher) of each running engine launcher whose process is on another host."""
-        if self.cluster is None:
+    def _remote_launchers(self, cluster: Any = None) -> list[tuple[str, Any]]:
+        """(host as listed, launcher) of each running engine launcher whose process is on another
+        host, of `cluster` (by default the world's, while it has one)."""
+        cluster = cluster if cluster is not None else self.cluster
+        if cluster is None:
             return []
         return [
             (str(identifier).rpartition("/")[0], launcher)  # ipyparallel names them HOST/INDEX
-            for engine_set in self.cluster.engines.values()
+            for engine_set in cluster.engines.values()
             for identifier, launcher in (getattr(engine_set, "launchers", None) or {}).items()
             if runs_elsewhere(launcher)
         ]
@@ -240,14 +242,7 @@ class LauncherProvisioner(ControlledProvisioner):
     def _end_ranks_elsewhere(self, cluster: Any) -> None:
         if self.config.launch.launcher != "ssh":
             return  # a batch system's ranks end with their job; MPI's with mpiexec
-        ssh_hosts.end_on_hosts(
-            [
-                launcher
-                for engine_set in cluster.engines.values()
-                for launcher in (getattr(engine_set, "launchers", None) or {}).values()
-                if runs_elsewhere(launcher)
-            ]
-        )
+        ssh_hosts.end_on_hosts([launcher for _, launcher in self._remote_launchers(cluster)])
 
     def start_failure(self) -> str | None:
         return self.describe_start_exit(f"the {self.config.launch.launcher} launcher", WORLD_ENGINE_SET)
