@@ -346,6 +346,17 @@ class DDPMagics(Magics):
         if text:
             print(text)
 
+    @line_magic
+    @_usage_errors
+    def ddp_run(self, line: str) -> None:
+        """Run a script on every rank as torchrun would: `%ddp_run train.py 4 2` (its `sys.argv`,
+        `__name__ == "__main__"`, its own `init_process_group` given the world's group)."""
+        from pathlib import Path
+
+        from .world.scripts import script_cell
+
+        self.ddp("", script_cell(line, Path.cwd()))
+
     # ---------------------------------------------------------------- %ddp_stop, %ddp_status
 
     @line_magic
@@ -641,7 +652,10 @@ def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, *
         feed.finish("failed")
         raise
     feed.finish(outcome.view_state)
-    return outcome.raise_for_error()
+    result = outcome.raise_for_error()
+    if outcome.heal_note:  # the cell ended the process group itself (a script's destroy_process_group())
+        print(outcome.heal_note.strip(), file=sys.stderr, flush=True)
+    return result
 
 
 def _print_collected(result: CellResult) -> None:

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.integration
 class Kernel:
     """A real ipykernel with helpers to run a cell and collect what it printed."""
 
-    def __init__(self) -> None:
+    def __init__(self, cwd: str | None = None) -> None:
         self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel()
+        self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)

@@ -87,7 +87,10 @@ def init_world(spec: RankSpec) -> JoinReport:
         # binds the communicator to this GPU and forms it now (eagerly), on this GPU only
         init_kwargs["device_id"] = device
     xray_rank.before_group()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
+    from .script_setup import answer_script_calls, torch_init_process_group
+
+    torch_init_process_group()(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
+    answer_script_calls()  # a torchrun script's own init_process_group gets this group
     _share_run_id(store, 0 if spec.simulated else rank)
     context = RankContext(
         rank=rank,

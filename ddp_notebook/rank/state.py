@@ -54,6 +54,7 @@ class Membership:
     run_id: str | None = None  # rank 0: the TORCHELASTIC_RUN_ID it shares with the world
     joins: int = 0  # rank 0: groups formed after the first, the world's TORCHELASTIC_RESTART_COUNT
     signed_store: Any = None  # rendezvous.SignedStore of a world across hosts (torch holds only its C++ side)
+    told_own_init: bool = False  # a script's own init_process_group was answered with the world's group
 
 
 @dataclass
