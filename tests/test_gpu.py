@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -671,6 +672,36 @@ def test_a_profiled_gpu_cell_has_kernel_lanes_cuda_memory_and_holistic_trace_ana
         rows,
         hta_note,
     )
+
+
+# ---------------------------------------------------------------- a torchrun script, unchanged, on nccl
+
+
+def test_a_torchrun_script_runs_unchanged_on_nccl_as_under_torchrun(gpu_world: DDPCluster, tmp_path: Path) -> None:
+    """The DDP series' single-node script (`torch.cuda.set_device(LOCAL_RANK)`, its own
+    `init_process_group("nccl")`, `DDP(model, device_ids=[LOCAL_RANK])`) through `%run` on every GPU
+    rank, against `torchrun --nproc-per-node N` running the same file on the same GPUs."""
+    script = Path(__file__).parent / "torchrun_scripts" / "ddp_series_single_node.py"
+    size = gpu_world.world_size
+    in_world, under_torchrun = tmp_path / "world.pt", tmp_path / "torchrun.pt"
+    outcome = gpu_world.run(f"%run {script} 3 1 --snapshot_path {in_world}", timeout=600)
+    assert outcome.ok, outcome.raise_for_error()
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), str(script), "3", "1",
+         "--snapshot_path", str(under_torchrun)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    mine, theirs = (torch.load(path, map_location="cpu")["MODEL_STATE"] for path in (in_world, under_torchrun))
+    bitwise = all(torch.equal(mine[name], theirs[name]) for name in theirs)
+    assert bitwise or all(torch.allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-7) for name in theirs)
+    record(
+        "torchrun_script",
+        "A torchrun script unchanged through %run on nccl, against torchrun",
+        ["ranks", "backend", "epochs", "weights against torchrun's"],
+        [[size, "nccl", 3, "bitwise equal" if bitwise else "equal within 1e-5"]],
+    )
+    gpu_world.execute("x = torch.ones(1, device=device)\ndist.all_reduce(x)", stream=False)  # the group is back
 
 
 # ---------------------------------------------------------------- notebook 04 on GPUs
