@@ -55,7 +55,7 @@ class Kernel:
                 msg = self.client.get_iopub_msg(timeout=0.2 if on_prompt is None else 0.05)
             except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
                 if time.monotonic() - began > timeout:
-                    raise TimeoutError(f"cell did not finish within {timeout} s") from None
+                    raise TimeoutError(self._interrupt_late_cell(msg_id, output, timeout)) from None
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
@@ -63,6 +63,21 @@ class Kernel:
             self.iopub_bytes += sum(len(memoryview(buffer).cast("B")) for buffer in msg.get("buffers") or ())
             if output.take(msg["msg_type"], msg["content"]):
                 return "".join(output.text), output.error
+
+    def _interrupt_late_cell(self, msg_id: str, output: CellOutput, timeout: float) -> str:
+        """A cell past its limit is interrupted (a %%ddp cell then reports where each rank is), so the
+        next cells of a shared kernel do not queue behind it; the message holds what it printed."""
+        self.manager.interrupt_kernel()
+        settle_by = time.monotonic() + 30
+        while time.monotonic() < settle_by:
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.5)
+            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id and output.take(msg["msg_type"], msg["content"]):
+                break
+        printed = "".join(output.text)[-6000:]
+        return f"cell did not finish within {timeout} s; interrupted, it had printed:\n{printed}"
 
     def _answer_prompt(self, on_prompt: Callable[[str], str | None]) -> None:
         try:

@@ -174,6 +174,25 @@ def test_a_script_sees_its_argv_its_name_and_the_notebooks_folder(script_world: 
     assert "UsageError: no script absent.py in" in out and "[rank" not in out, out
 
 
+def test_a_group_the_script_ended_is_freed_after_the_cell_not_by_its_models_last_reference(
+    script_world: tuple,
+) -> None:
+    """A script's DDP model freed on the main thread right after its destroy_process_group() must not
+    free the gloo group there: its destructor joins workers that may wait for the GIL (a hang seen at
+    4 ranks). The ended group is kept through the cell and let go when the world forms its group again."""
+    kernel, size, _, folder = script_world
+    out, error = kernel.run(
+        "%%ddp\n%run ddp_series_single_node.py 1 1 --snapshot_path kept.pt\n"
+        "from ddp_notebook.rank.state import RANK\n"
+        "print('kept', len(RANK.membership.destroyed_groups), dist.is_initialized())",
+        timeout=300,
+    )
+    assert error is None and all(f"[rank {r}] kept 1 False" in out for r in range(size)), out
+    out, error = kernel.run("%%ddp\nprint('kept', len(RANK.membership.destroyed_groups), dist.is_initialized())")
+    assert error is None and all(f"[rank {r}] kept 0 True" in out for r in range(size)), out
+    (folder / "kept.pt").unlink()
+
+
 def test_an_incompatible_request_and_a_spawn_are_refused_in_one_line(script_world: tuple) -> None:
     kernel, size, _, _ = script_world
     out, error = kernel.run(f"%%ddp\ndist.init_process_group('gloo', world_size={size + 1})")

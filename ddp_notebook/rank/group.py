@@ -275,6 +275,9 @@ def release_group() -> None:
     close_rendezvous()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # groups a cell ended itself, kept until now (script_setup.keep_destroyed_groups): their
+    # workers are idle since the cell ended, so freeing them here cannot wait on the GIL
+    RANK.membership.destroyed_groups.clear()
     import gc
 
     gc.collect()  # the group's sockets close when its last reference goes

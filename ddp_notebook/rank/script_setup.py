@@ -7,7 +7,8 @@ request the group satisfies (the world's backend, size and rank; `init_method`, 
 `MASTER_*` are the world's already), says so once in one line on rank 0, and refuses any other
 request in one line naming what the world is. A `torch.multiprocessing.spawn` launch is refused in one
 line too: in a world every rank already runs the cell, and it would start more processes on each.
-`destroy_process_group()` is left as torch has it: the world forms its group again after the cell.
+`destroy_process_group()` ends the group as torch does (the world forms its group again after the
+cell), but the ended group is kept referenced until then: see `keep_destroyed_groups`.
 
 Public functions of torch are replaced (no internals); `torch_init_process_group` is torch's own, for
 the world's joins.
@@ -66,10 +67,36 @@ def answer_script_calls() -> None:
     setattr(init_process_group, _ORIGINAL, original_init)
     dist.init_process_group = init_process_group
     dist.distributed_c10d.init_process_group = init_process_group  # the same function, where some code finds it
+    destroy = keep_destroyed_groups(dist.destroy_process_group)
+    dist.destroy_process_group = destroy
+    dist.distributed_c10d.destroy_process_group = destroy
     for name in ("spawn", "start_processes"):
         launcher = getattr(torch_mp, name, None)
         if launcher is not None and not hasattr(launcher, _ORIGINAL):
             setattr(torch_mp, name, _refusing_spawn(launcher))
+
+
+def keep_destroyed_groups(original_destroy: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's `destroy_process_group`, keeping a reference to the group it ends until the world
+    lets go of its own after the cell (`group.release_group`).
+
+    A gloo group joins its worker threads in its destructor without releasing the GIL, and a worker
+    that ran one of backward's all-reduces needs the GIL to free that work (its thread-local state
+    holds backward's contextvars context on torch 2.13). A script's DDP model freed right after its
+    `destroy_process_group()` (its `main()` returning) drops the group's last reference on the main
+    thread: where the worker had not yet freed the work, the rank hung there forever (seen at 4 CPU
+    ranks on 2 cores). Kept here, the group is freed after the cell, its workers long idle.
+    """
+
+    @functools.wraps(original_destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        ending = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        if ending is not None:
+            RANK.membership.destroyed_groups.append(ending)
+        return original_destroy(group)  # type: ignore[no-any-return]
+
+    setattr(destroy_process_group, _ORIGINAL, original_destroy)
+    return destroy_process_group
 
 
 def mismatch(request: dict[str, Any], context: RankContext) -> str | None:

@@ -55,6 +55,9 @@ class Membership:
     joins: int = 0  # rank 0: groups formed after the first, the world's TORCHELASTIC_RESTART_COUNT
     signed_store: Any = None  # rendezvous.SignedStore of a world across hosts (torch holds only its C++ side)
     told_own_init: bool = False  # a script's own init_process_group was answered with the world's group
+    # groups a cell's destroy_process_group() ended, kept until the world lets go of its group
+    # after the cell (script_setup.keep_destroyed_groups says why)
+    destroyed_groups: list[Any] = field(default_factory=list)
 
 
 @dataclass
