@@ -269,3 +269,29 @@ def test_optimizer_steps_are_snapshot_points_where_no_loader_is_tracked(world: t
     params = _params(cluster, "")
     for rank in range(size):
         assert _bitwise_equal(params[rank], reference[rank]), f"rank {rank} differs from the uninterrupted run"
+
+
+def test_a_world_that_goes_on_without_a_lost_rank_deals_the_rest_of_the_epoch_over_the_survivors() -> None:
+    """`--on-loss shrink` (what an SSH world does when a host is lost): the survivors go on at one
+    rank fewer from the snapshot mid-epoch; the plain sampler is dealt again over them, so the same
+    cell run again uses every sample of that epoch (the rest padded, as DistributedSampler pads)."""
+    with DDPCluster(3, backend="gloo", timeout=60, on_loss="shrink") as cluster:
+        pids = cluster.all_pids
+        cluster.execute(BUILD.format(p="", n=SAMPLES, batch=BATCH) + TRACK, setup=True, stream=False)
+        train = TRAIN.replace("{set_epoch}", "sampler.set_epoch(epoch)").replace("{epochs}", str(EPOCHS))
+        kill_at = _steps_per_epoch(3) + EVERY + 1
+        with pytest.raises(RankDiedError, match=rf"went on without rank 1 .* snapshot taken at epoch 1, batch {EVERY}"):
+            _run(cluster, train.format(p=""), kill_rank=1, kill_at=kill_at)
+        assert cluster.world_size == 2 and cluster.pull("step") == {0: kill_at - 1, 1: kill_at - 1}
+        _run(cluster, train.format(p=""))
+        seen = cluster.pull("seen")
+        assert seen[0] == seen[1]
+        left = SAMPLES - EVERY * BATCH * 3  # epoch 1 after the snapshot, dealt over 2 ranks
+        epochs = [_steps_per_epoch(3), EVERY + math.ceil(left / (BATCH * 2)), _steps_per_epoch(2)]
+        assert len(seen[0]) == sum(epochs)
+        for epoch, steps in enumerate(epochs):
+            begin = sum(epochs[:epoch])
+            used = {i for step in seen[0][begin : begin + steps] for i in step}
+            assert used == set(range(SAMPLES)), f"epoch {epoch} skipped samples"
+        pids += cluster.all_pids
+    assert wait_gone(pids) == []

@@ -33,16 +33,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..wire.join import RankSpec
-from . import channel, generators, helpers, step_points, torch_adapter
+from . import channel, helpers, torch_adapter
 from . import group as rank_side
 from .state import DEFAULT_SNAPSHOT_EVERY, RANK
-from .tracked_loaders import TrackedDataLoader, adopt
+
+if TYPE_CHECKING:
+    from .tracked_loaders import TrackedDataLoader
 
 
 @dataclasses.dataclass
@@ -82,6 +84,8 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
         if isinstance(obj, helpers.EpochDataLoader) and not isinstance(obj.sampler, helpers.ResumableSampler):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
         if isinstance(obj, torch.utils.data.DataLoader) and not isinstance(obj, helpers.EpochDataLoader):
+            from .tracked_loaders import adopt
+
             adopt(name, obj)  # a plain DataLoader over a DistributedSampler, made trackable in place
         if _is_sharded_module(obj) and not _reshardable(obj):
             raise TypeError(
@@ -97,7 +101,7 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     RANK.tracked.every = snapshot_every
     RANK.tracked.collective = any(_is_sharded_module(obj) for obj in RANK.tracked.objects.values())
     for obj in RANK.tracked.objects.values():
-        if isinstance(obj, (helpers.EpochDataLoader, TrackedDataLoader)):
+        if isinstance(obj, (helpers.EpochDataLoader, _plain())):
             obj.after_batch, obj.after_pass = _after_batch, _after_pass
         if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and obj not in RANK.prepared.wrappers:
             # wrapped by the user's own DDP(...): moved onto each new group as prepare_model's are
@@ -105,6 +109,8 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
             RANK.prepared.wrappers.add(obj)
     optimizers = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.optim.Optimizer)]
     models = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.nn.Module)]
+    from . import step_points
+
     step_points.watch(optimizers[0] if optimizers else None, models, _take_at_step, _step_points_on)
     RANK.tracked.progress = _progress_mark()  # this cell began before the hook below was there
     if not RANK.tracked.hooked:
@@ -132,7 +138,10 @@ def snapshot(where: str = "an explicit snapshot") -> int:
 def _take(where: str, reuse_sharded: bool, rng: dict[str, Any] | None = None) -> int:
     RANK.tracked.seq += 1
     state = _capture(RANK.tracked.snapshots[-1].state if reuse_sharded else None)
-    rng = generators.capture() if rng is None else rng
+    if rng is None:
+        from .generators import capture
+
+        rng = capture()
     RANK.tracked.snapshots.append(Snapshot(RANK.tracked.seq, where, state, rng, RANK.tracked.steps))
     if RANK.tracked.collective:
         RANK.tracked.sharded_mark = _sharded_mark()
@@ -171,6 +180,8 @@ def restore(seq: int, source: int) -> str:
     # sender's, which are its own where the ranks were seeded alike (the usual manual_seed(0))
     if found is not None:
         chosen = dataclasses.replace(chosen, rng=found.rng)
+    from . import generators, step_points
+
     generators.set_back(chosen.rng)
     RANK.tracked.snapshots.clear()
     RANK.tracked.snapshots.append(chosen)
@@ -242,8 +253,15 @@ def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
 # ---------------------------------------------------------------- inside
 
 
+def _plain() -> type[TrackedDataLoader]:
+    """The plain loaders' type: its module is loaded by the first `track`, not at a rank's start."""
+    from .tracked_loaders import TrackedDataLoader
+
+    return TrackedDataLoader
+
+
 def _restorable(obj: Any) -> bool:
-    return isinstance(obj, (helpers.EpochDataLoader, TrackedDataLoader)) or (
+    return isinstance(obj, (helpers.EpochDataLoader, _plain())) or (
         callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
     )
 
@@ -277,8 +295,10 @@ def _cell_over() -> None:
     """Plain loaders count the next cell's passes from 0; a step point not taken yet is dropped
     (the end-of-cell snapshot, or the next cell's first one, serves)."""
     for obj in RANK.tracked.objects.values():
-        if isinstance(obj, TrackedDataLoader):
+        if isinstance(obj, _plain()):
             obj.cell_ended()
+    from . import step_points  # loaded by track(), which registered the hooks that call this
+
     step_points.forget_due()
 
 
@@ -319,7 +339,7 @@ def _after_pass(loader: helpers.EpochDataLoader | TrackedDataLoader) -> None:
 
 
 def _epoch_of(loader: helpers.EpochDataLoader | TrackedDataLoader) -> int:
-    return loader.epoch_label if isinstance(loader, TrackedDataLoader) else loader.epoch - 1
+    return loader.epoch_label if isinstance(loader, _plain()) else loader.epoch - 1
 
 
 def _step_points_on() -> bool:
@@ -330,7 +350,7 @@ def _step_points_on() -> bool:
         RANK.tracked.objects
         and not RANK.tracked.diverged
         and not RANK.tracked.collective
-        and not any(isinstance(obj, (helpers.EpochDataLoader, TrackedDataLoader)) for obj in objects)
+        and not any(isinstance(obj, (helpers.EpochDataLoader, _plain())) for obj in objects)
     )
 
 
@@ -354,7 +374,7 @@ def _capture(last: dict[str, Any] | None = None) -> dict[str, Any]:
                 state[name] = ("value", copy.deepcopy(namespace[name]))
         elif isinstance(obj, helpers.EpochDataLoader):
             state[name] = ("loader", obj.position_state())
-        elif isinstance(obj, TrackedDataLoader):
+        elif isinstance(obj, _plain()):
             state[name] = ("plain_loader", obj.place())
         elif _is_sharded_module(obj):
             state[name] = ("sharded_module", _copied(_sharding().full_model_state(obj)))
@@ -443,7 +463,7 @@ def _progress_mark() -> list[Any]:
             )
         elif isinstance(obj, helpers.EpochDataLoader):
             mark.append((obj.epoch, obj.batches_done))
-        elif isinstance(obj, TrackedDataLoader):
+        elif isinstance(obj, _plain()):
             mark.append(obj.position)  # a pass begun and left at its first batch moved nothing
         elif isinstance(obj, torch.nn.Module):
             mark.append([torch_adapter.write_mark(p) for p in obj.parameters()])
