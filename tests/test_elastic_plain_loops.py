@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from ddp_notebook import DDPCluster, RankDiedError
+from ddp_notebook import DDPCluster, RankDiedError, RankError
 from ddp_notebook.rank.tracked_loaders import TrackedDataLoader, adopt
 from tests.conftest import wait_gone
 
@@ -247,6 +247,32 @@ def test_the_tutorial_loop_tracked_resumes_mid_epoch_after_a_kill_and_ends_bitwi
     for epoch in range(EPOCHS):
         used = {i for step in seen[0][epoch * per_epoch : (epoch + 1) * per_epoch] for i in step}
         assert used == set(range(SAMPLES)), f"epoch {epoch} skipped samples"
+
+
+def test_the_tutorial_loop_that_raised_midway_is_rolled_back_and_ends_bitwise_equal(
+    world: tuple[DDPCluster, int],
+) -> None:
+    """A rank raises mid-epoch while the others wait in a collective: `rollback()` brings every rank
+    to the newest snapshot (the model wrapped by hand gets a fresh reducer), and the same cell run
+    again ends as the uninterrupted run."""
+    cluster, victim = world
+    size = cluster.world_size
+    _forget_tracking(cluster)
+    train = TRAIN.replace("{set_epoch}", "{p}sampler.set_epoch(epoch)").replace("{epochs}", str(EPOCHS))
+    cluster.execute(BUILD.format(p="ref_", n=SAMPLES, batch=BATCH), stream=False)
+    _run(cluster, train.format(p="ref_"))
+    reference = _params(cluster, "ref_")[0]
+
+    cluster.execute(BUILD.format(p="", n=SAMPLES, batch=BATCH) + TRACK, setup=True, stream=False)
+    raising = train.replace("os.kill(os.getpid(), signal.SIGKILL)", "raise RuntimeError('stopped midway')")
+    fail_at = _steps_per_epoch(size) + EVERY + 1
+    with pytest.raises(RankError, match="stopped midway"):
+        _run(cluster, raising.format(p=""), kill_rank=victim, kill_at=fail_at)
+    assert cluster.rollback() == f"epoch 1, batch {EVERY}"
+    _run(cluster, train.format(p=""))
+    params = _params(cluster, "")
+    for rank in range(size):
+        assert _bitwise_equal(params[rank], reference), f"rank {rank} differs from the uninterrupted run"
 
 
 def test_optimizer_steps_are_snapshot_points_where_no_loader_is_tracked(world: tuple[DDPCluster, int]) -> None:
