@@ -54,7 +54,9 @@ def watch(
     hooks = [optimizer.register_step_post_hook(after_step)]
     models = list(models)
     # the inner module of a DDP model: a comeback gives the wrapper a fresh reducer (and hooks)
-    hooks += [getattr(model, "module", model).register_forward_pre_hook(before_next) for model in models]
+    ddp = torch.nn.parallel.DistributedDataParallel
+    inner = [model.module if isinstance(model, ddp) else model for model in models]
+    hooks += [model.register_forward_pre_hook(before_next) for model in inner]
     hooks.append(optimizer.register_step_pre_hook(before_next))  # where no tracked model ran forward
     RANK.tracked.step_hooks.extend(hooks)
 
