@@ -68,6 +68,50 @@ def test_a_plain_loader_brought_back_skips_the_passes_done_and_resumes_the_one_i
     assert _passes(loader, sampler, set_epoch) == whole  # the next cell's loop is whole again
 
 
+def test_a_plain_loader_brought_back_to_an_epochs_end_starts_the_next_epoch_whole() -> None:
+    data = TensorDataset(torch.arange(20))
+    whole = _passes(*_plain(data, 2, 0), set_epoch=True)
+    loader, sampler = _plain(data, 2, 0)
+    tracked = adopt("loader", loader)
+    sampler.set_epoch(0)
+    first = [ids.tolist() for (ids,) in loader]  # the whole first epoch: its end is a snapshot point
+    place = tracked.place()
+    assert (place.passes, place.in_pass) == (1, False)
+    tracked.cell_ended()
+    tracked.go_to(place)
+    assert first + _passes(loader, sampler, True) == whole
+
+
+def test_a_step_point_is_taken_at_the_next_forward_with_the_generators_of_right_after_the_step() -> None:
+    """Every 2nd optimizer step is a point; the copy waits for the loop to count the step, and keeps
+    the generators as the step left them (the next batch's random data is drawn again on resuming)."""
+    from ddp_notebook.rank import step_points
+    from ddp_notebook.rank.state import RANK
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken: list[tuple[str, int, torch.Tensor]] = []
+    counter = {"step": 0}
+    every = RANK.tracked.every
+    RANK.tracked.every = 2
+    try:
+        step_points.watch(
+            opt, [model], lambda where, rng: taken.append((where, counter["step"], rng["torch"])), lambda: True
+        )
+        after_step = []
+        for _ in range(5):
+            x = torch.randn(3, 2)
+            model(x).sum().backward()
+            opt.step()
+            after_step.append(torch.get_rng_state())
+            counter["step"] += 1
+        assert [(where, step) for where, step, _ in taken] == [("optimizer step 2", 2), ("optimizer step 4", 4)]
+        assert torch.equal(taken[0][2], after_step[1]) and torch.equal(taken[1][2], after_step[3])
+    finally:
+        step_points.watch(None, [], None, None)  # type: ignore[arg-type]
+        RANK.tracked.every = every
+
+
 def test_a_resumed_pass_draws_nothing_from_torchs_generator() -> None:
     loader, sampler = _plain(TensorDataset(torch.arange(20)), 1, 0)
     tracked = adopt("loader", loader)
