@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from ddp_notebook import DDPCluster, RankDiedError, RankError
 from ddp_notebook.rank.tracked_loaders import TrackedDataLoader, adopt
@@ -144,6 +144,7 @@ def test_a_loader_that_cannot_be_followed_is_refused_in_one_line() -> None:
         (DataLoader(data, batch_size=2, sampler=RandomSampler(data)), "draws its samples with a RandomSampler"),
         (DataLoader(data, batch_size=2, shuffle=True), "draws its samples with a RandomSampler"),
         (type("Mine", (DataLoader,), {})(data, batch_size=2), "'loader' is a Mine"),
+        (DataLoader(data, batch_sampler=BatchSampler(DistributedSampler(data, 2, 0), 2, False)), "has no batch_size"),
     ]
     for loader, says in cases:
         with pytest.raises(TypeError, match=says) as caught:

@@ -151,14 +151,17 @@ def adopt(name: str, loader: DataLoader) -> TrackedDataLoader:  # type: ignore[t
             f"'{name}' is a {type(loader).__name__}: track a torch DataLoader over a DistributedSampler, "
             "or a loader from ddp_notebook.prepare_loader"
         )
+    if loader.batch_size is None:
+        raise TypeError(
+            f"'{name}' has no batch_size (a batch_sampler of its own, or batch_size=None): track a "
+            "DataLoader(data, batch_size=B, sampler=DistributedSampler(data))"
+        )
     if type(sampler) not in (DistributedSampler, TrackedSampler):
         raise TypeError(
             f"'{name}' draws its samples with a {type(sampler).__name__}: track a DataLoader over a "
             "DistributedSampler (DataLoader(data, batch_size=B, sampler=DistributedSampler(data))), "
             "or use ddp_notebook.prepare_loader"
         )
-    if loader.batch_size is None:
-        raise TypeError(f"'{name}' has a batch_sampler of its own: give the DataLoader batch_size= to track it")
     sampler.__class__ = TrackedSampler  # type: ignore[assignment]
     loader.__class__ = TrackedDataLoader
     tracked: TrackedDataLoader = loader  # type: ignore[assignment]
