@@ -154,8 +154,6 @@ def test_a_loader_that_cannot_be_followed_is_refused_in_one_line() -> None:
 
 # ---------------------------------------------------------------- real worlds
 
-pytestmark = pytest.mark.integration
-
 # the tutorial's set-up: {p} prefixes the names so that the reference run and the tracked run share
 # one world; the model is wrapped in DDP by hand; dropout draws from torch's generator
 BUILD = """
@@ -257,6 +255,7 @@ def _steps_per_epoch(size: int) -> int:
     return math.ceil(math.ceil(SAMPLES / size) / BATCH)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("set_epoch", [True, False], ids=["set_epoch", "no_set_epoch"])
 def test_the_tutorial_loop_tracked_resumes_mid_epoch_after_a_kill_and_ends_bitwise_equal(
     world: tuple[DDPCluster, int], set_epoch: bool
@@ -294,6 +293,7 @@ def test_the_tutorial_loop_tracked_resumes_mid_epoch_after_a_kill_and_ends_bitwi
         assert used == set(range(SAMPLES)), f"epoch {epoch} skipped samples"
 
 
+@pytest.mark.integration
 def test_the_tutorial_loop_that_raised_midway_is_rolled_back_and_ends_bitwise_equal(
     world: tuple[DDPCluster, int],
 ) -> None:
@@ -320,6 +320,7 @@ def test_the_tutorial_loop_that_raised_midway_is_rolled_back_and_ends_bitwise_eq
         assert _bitwise_equal(params[rank], reference), f"rank {rank} differs from the uninterrupted run"
 
 
+@pytest.mark.integration
 def test_optimizer_steps_are_snapshot_points_where_no_loader_is_tracked(world: tuple[DDPCluster, int]) -> None:
     cluster, victim = world
     size = cluster.world_size
@@ -342,6 +343,7 @@ def test_optimizer_steps_are_snapshot_points_where_no_loader_is_tracked(world: t
         assert _bitwise_equal(params[rank], reference[rank]), f"rank {rank} differs from the uninterrupted run"
 
 
+@pytest.mark.integration
 def test_a_world_that_goes_on_without_a_lost_rank_deals_the_rest_of_the_epoch_over_the_survivors() -> None:
     """`--on-loss shrink` (what an SSH world does when a host is lost): the survivors go on at one
     rank fewer from the snapshot mid-epoch; the plain sampler is dealt again over them, so the same
