@@ -394,6 +394,67 @@ def test_a_host_whose_link_goes_down_is_named_before_the_heartbeat_and_the_world
     assert wait_gone(pids, 30) == []
 
 
+# a hand-written loop: a model wrapped in DDP by hand, random batches, no loader; model, optimizer
+# and step counter tracked, so every 5 optimizer steps is a snapshot point; `done` (untracked) counts
+# the steps a rank finished, and is kept on a survivor
+HAND_WRITTEN = """
+import time, torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+step = done = 0
+ddp_notebook.track(model=model, opt=opt, step=step, snapshot_every=5)
+"""
+HAND_WRITTEN_TRAIN = """
+while step < UNTIL:
+    x = torch.randn(8, 4)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    done = step
+    time.sleep(0.05)
+"""
+
+
+def test_a_hand_written_loop_loses_at_most_snapshot_every_steps_when_a_host_is_lost(
+    multihost_network: Network, multihost_ssh: SSHHosts
+) -> None:
+    """Host 2's link goes down after about 30 optimizer steps of a tracked model, optimizer and
+    counter: the survivor goes on from the newest step point, at most 5 steps back, not from the
+    start of the cell. (The SSH ranks import the package installed for this machine's Python.)"""
+    h2 = multihost_network[1]
+    world = ssh_world(multihost_network, multihost_ssh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InsecureNetworkWarning)
+        world.start()
+        pids = [info.pid for info in world.ranks]
+        try:
+            world.execute(HAND_WRITTEN, setup=True, stream=False)
+            world.push({"UNTIL": 10**6})
+            down = threading.Timer(1.5, subprocess.run, (["ip", "link", "set", h2.veth, "down"],), {"check": True})
+            down.start()
+            try:
+                lost = rf"rank 1 on {h2.name} was lost.*snapshot taken at optimizer step"
+                with pytest.raises(RankDiedError, match=lost):
+                    world.execute(HAND_WRITTEN_TRAIN, stream=False, timeout=60)
+            finally:
+                down.join()
+                subprocess.run(["ip", "link", "set", h2.veth, "up"], check=True)
+            assert world.world_size == 1
+            resumed, done = world.pull("step")[0], world.pull("done")[0]
+            assert resumed > 0 and resumed % 5 == 0, resumed
+            assert done - resumed <= 5, (done, resumed)
+            world.push({"UNTIL": resumed + 5})
+            world.execute(HAND_WRITTEN_TRAIN, stream=False)  # the survivor trains on from there
+            assert world.pull("step") == {0: resumed + 5}
+        finally:
+            world.stop()
+    assert wait_gone(pids, 30) == []
+
+
 def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_hosts(
     multihost_network: Network, multihost_ssh: SSHHosts, capfd: pytest.CaptureFixture[str]
 ) -> None:

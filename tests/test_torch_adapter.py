@@ -73,6 +73,24 @@ def test_a_ddp_model_unhooked_lets_a_new_reducer_take_over(world: DDPCluster) ->
     assert {rank: g.tolist() for rank, g in world.pull("taken_over").items()} == {0: [[1.5, 1.5]], 1: [[1.5, 1.5]]}
 
 
+def test_a_users_ddp_model_gives_back_the_options_it_was_made_with(world: DDPCluster) -> None:
+    # a model the user wrapped (tracked: wrapped again after a comeback) keeps its non-default options
+    world.execute(
+        "from ddp_notebook.rank import torch_adapter\n"
+        "DDP = torch.nn.parallel.DistributedDataParallel\n"
+        "plain = torch_adapter.ddp_options(DDP(torch.nn.Linear(2, 1)))\n"
+        "made = DDP(torch.nn.Linear(2, 1), find_unused_parameters=True, gradient_as_bucket_view=True,\n"
+        "           broadcast_buffers=False)\n"
+        "options = torch_adapter.ddp_options(made)\n"
+        "again = torch_adapter.ddp_options(DDP(made.module, **options))"
+    )
+    assert world.pull("plain") == {0: {}, 1: {}}
+    options = world.pull("options")[0]
+    assert options["find_unused_parameters"] and options["gradient_as_bucket_view"]
+    assert False in (options.get("forward_sync_buffers"), options.get("broadcast_buffers"))
+    assert world.pull("again")[0] == options
+
+
 def test_fsdp2_state_is_read_and_shared(world: DDPCluster) -> None:
     world.execute(
         "from torch.distributed import _composable_state\n"

@@ -2,13 +2,16 @@
 
 `track(model=..., optimizer=..., loader=..., step=0)` names the objects that are the training
 state. A snapshot is an in-memory copy of them (never written to disk), taken at the end of
-every cell that succeeded and every `snapshot_every` batches of a tracked loader (or by
-`snapshot()`); each rank keeps its last two. When a rank is replaced, a surviving rank sends
-its snapshot to every rank (`restore`), so the whole world goes back to one consistent point.
+every cell that succeeded, every `snapshot_every` batches of a tracked loader and at the end of
+each of its passes, every `snapshot_every` steps of the first tracked optimizer where no loader is
+tracked (`step_points`), or by `snapshot()`; each rank keeps its last two. When a rank is
+replaced, a surviving rank sends its snapshot to every rank (`restore`), so the whole world goes
+back to one consistent point.
 
 Tracked state is the world's state, the same on every rank (as DDP keeps it): a module's
 parameters and buffers, an optimizer's or scheduler's `state_dict`, a loader's position in its
-epoch, and plain values (`step=0` tracks the variable `step` of the rank's namespace). A
+epoch (one from `prepare_loader`, or a plain DataLoader over a DistributedSampler: `tracked_loaders`),
+and plain values (`step=0` tracks the variable `step` of the rank's namespace). A
 snapshot also keeps the rank's own random number generators: a survivor goes back to its own,
 a new rank takes the sender's (the same stream where the ranks were seeded alike).
 
@@ -30,9 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from ..wire.join import RankSpec
 from . import channel, helpers, torch_adapter
 from . import group as rank_side
 from .state import DEFAULT_SNAPSHOT_EVERY, RANK
+
+if TYPE_CHECKING:
+    from .tracked_loaders import TrackedDataLoader
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ class Snapshot:
     # this rank's random number generators (torch's CPU one, CUDA's, Python's, NumPy's): its own,
     # not the world's, since ranks may be seeded apart
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+    steps: int = 0  # steps of the first tracked optimizer (where the next step point falls)
 
 
 _NAMESPACE = object()
@@ -62,10 +67,13 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     """Declare the training state a replacement rank must get back (call it in a `%%ddp --setup` cell).
 
     Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
-    `load_state_dict`) and loaders from `prepare_loader` are restored in place; any other
-    value names a variable of the rank's namespace (`step=step`) restored by that name.
-    A snapshot is taken at the end of every cell that succeeds, and every
-    `snapshot_every` batches of a tracked loader.
+    `load_state_dict`), loaders from `prepare_loader` and plain DataLoaders over a
+    DistributedSampler are restored in place; any other value names a variable of the rank's
+    namespace (`step=step`) restored by that name. A snapshot is taken at the end of every cell
+    that succeeds, every `snapshot_every` batches of a tracked loader and at the end of each pass
+    over it, and, where no loader is tracked, every `snapshot_every` steps of the first tracked
+    optimizer. A model you wrapped in DDP yourself moves onto each new group as one from
+    `prepare_model` does.
 
     A model sharded by `shard_model` (FSDP2) is snapshotted whole (gathered; a CPU copy of the
     full model on every rank), and an optimizer over it must be tracked with it.
@@ -73,10 +81,12 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
     for name, obj in objects.items():
-        if isinstance(obj, torch.utils.data.DataLoader) and not (
-            isinstance(obj, helpers.EpochDataLoader) and isinstance(obj.sampler, helpers.ResumableSampler)
-        ):
+        if isinstance(obj, helpers.EpochDataLoader) and not isinstance(obj.sampler, helpers.ResumableSampler):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
+        if isinstance(obj, torch.utils.data.DataLoader) and not isinstance(obj, helpers.EpochDataLoader):
+            from .tracked_loaders import adopt
+
+            adopt(name, obj)  # a plain DataLoader over a DistributedSampler, made trackable in place
         if _is_sharded_module(obj) and not _reshardable(obj):
             raise TypeError(
                 f"'{name}' cannot be sharded again on another number of ranks (it was sharded by fully_shard "
@@ -91,8 +101,17 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
     RANK.tracked.every = snapshot_every
     RANK.tracked.collective = any(_is_sharded_module(obj) for obj in RANK.tracked.objects.values())
     for obj in RANK.tracked.objects.values():
-        if isinstance(obj, helpers.EpochDataLoader):
-            obj.after_batch = _after_batch
+        if isinstance(obj, (helpers.EpochDataLoader, _plain())):
+            obj.after_batch, obj.after_pass = _after_batch, _after_pass
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and obj not in RANK.prepared.wrappers:
+            # wrapped by the user's own DDP(...): moved onto each new group as prepare_model's are
+            obj._ddp_notebook_kwargs = torch_adapter.ddp_options(obj)
+            RANK.prepared.wrappers.add(obj)
+    optimizers = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.optim.Optimizer)]
+    models = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.nn.Module)]
+    from . import step_points
+
+    step_points.watch(optimizers[0] if optimizers else None, models, _take_at_step, _step_points_on)
     RANK.tracked.progress = _progress_mark()  # this cell began before the hook below was there
     if not RANK.tracked.hooked:
         shell = _shell()
@@ -116,10 +135,14 @@ def snapshot(where: str = "an explicit snapshot") -> int:
     return _take(where, reuse_sharded=False)
 
 
-def _take(where: str, reuse_sharded: bool) -> int:
+def _take(where: str, reuse_sharded: bool, rng: dict[str, Any] | None = None) -> int:
     RANK.tracked.seq += 1
     state = _capture(RANK.tracked.snapshots[-1].state if reuse_sharded else None)
-    RANK.tracked.snapshots.append(Snapshot(RANK.tracked.seq, where, state, _rng()))
+    if rng is None:
+        from .generators import capture
+
+        rng = capture()
+    RANK.tracked.snapshots.append(Snapshot(RANK.tracked.seq, where, state, rng, RANK.tracked.steps))
     if RANK.tracked.collective:
         RANK.tracked.sharded_mark = _sharded_mark()
     return int(RANK.tracked.seq)
@@ -157,10 +180,13 @@ def restore(seq: int, source: int) -> str:
     # sender's, which are its own where the ranks were seeded alike (the usual manual_seed(0))
     if found is not None:
         chosen = dataclasses.replace(chosen, rng=found.rng)
-    _set_rng(chosen.rng)
+    from . import generators, step_points
+
+    generators.set_back(chosen.rng)
     RANK.tracked.snapshots.clear()
     RANK.tracked.snapshots.append(chosen)
-    RANK.tracked.seq = chosen.seq
+    RANK.tracked.seq, RANK.tracked.steps = chosen.seq, chosen.steps
+    step_points.forget_due()
     RANK.tracked.diverged = False  # every rank is at this one point again
     RANK.tracked.sharded_mark = _sharded_mark() if RANK.tracked.collective else None
     return chosen.where
@@ -227,8 +253,15 @@ def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
 # ---------------------------------------------------------------- inside
 
 
+def _plain() -> type[TrackedDataLoader]:
+    """The plain loaders' type: its module is loaded by the first `track`, not at a rank's start."""
+    from .tracked_loaders import TrackedDataLoader
+
+    return TrackedDataLoader
+
+
 def _restorable(obj: Any) -> bool:
-    return isinstance(obj, helpers.EpochDataLoader) or (
+    return isinstance(obj, (helpers.EpochDataLoader, _plain())) or (
         callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
     )
 
@@ -254,7 +287,19 @@ def skip_cell_snapshot() -> None:
 
 
 def _before_cell(*_info: Any) -> None:
+    _cell_over()
     RANK.tracked.progress = _progress_mark()
+
+
+def _cell_over() -> None:
+    """Plain loaders count the next cell's passes from 0; a step point not taken yet is dropped
+    (the end-of-cell snapshot, or the next cell's first one, serves)."""
+    for obj in RANK.tracked.objects.values():
+        if isinstance(obj, _plain()):
+            obj.cell_ended()
+    from . import step_points  # loaded by track(), which registered the hooks that call this
+
+    step_points.forget_due()
 
 
 def _after_cell(result: Any) -> None:
@@ -264,6 +309,7 @@ def _after_cell(result: Any) -> None:
         # it failed after training moved on (a step, a batch): the other ranks may have stopped
         # elsewhere; a cell that failed before (a typo) leaves every rank where it was
         RANK.tracked.diverged = True
+    _cell_over()
     if skip or RANK.tracked.diverged or not (RANK.tracked.objects and getattr(result, "success", False)):
         return
     if not RANK.tracked.collective:
@@ -280,9 +326,36 @@ def _after_cell(result: Any) -> None:
         channel.tell_notebook(SNAPSHOT_OWED_KEY)
 
 
-def _after_batch(loader: helpers.EpochDataLoader) -> None:
+def _after_batch(loader: helpers.EpochDataLoader | TrackedDataLoader) -> None:
     if RANK.tracked.objects and not RANK.tracked.diverged and loader.batches_done % RANK.tracked.every == 0:
-        snapshot(f"epoch {loader.epoch - 1}, batch {loader.batches_done}")
+        snapshot(f"epoch {_epoch_of(loader)}, batch {loader.batches_done}")
+
+
+def _after_pass(loader: helpers.EpochDataLoader | TrackedDataLoader) -> None:
+    """The end of an epoch is a point too: an epoch shorter than `snapshot_every` has no other."""
+    done = loader.batches_done
+    if RANK.tracked.objects and not RANK.tracked.diverged and done and done % RANK.tracked.every:
+        snapshot(f"the end of epoch {_epoch_of(loader)}")
+
+
+def _epoch_of(loader: helpers.EpochDataLoader | TrackedDataLoader) -> int:
+    return loader.epoch_label if isinstance(loader, _plain()) else loader.epoch - 1
+
+
+def _step_points_on() -> bool:
+    """Optimizer steps are points where something is tracked, no loader is (its batches are the
+    points), the ranks have not stopped apart, and a snapshot needs no collective."""
+    objects = RANK.tracked.objects.values()
+    return bool(
+        RANK.tracked.objects
+        and not RANK.tracked.diverged
+        and not RANK.tracked.collective
+        and not any(isinstance(obj, (helpers.EpochDataLoader, _plain())) for obj in objects)
+    )
+
+
+def _take_at_step(where: str, rng: dict[str, Any]) -> None:
+    _take(where, reuse_sharded=False, rng=rng)
 
 
 def _module(obj: torch.nn.Module) -> torch.nn.Module:
@@ -301,6 +374,8 @@ def _capture(last: dict[str, Any] | None = None) -> dict[str, Any]:
                 state[name] = ("value", copy.deepcopy(namespace[name]))
         elif isinstance(obj, helpers.EpochDataLoader):
             state[name] = ("loader", obj.position_state())
+        elif isinstance(obj, _plain()):
+            state[name] = ("plain_loader", obj.place())
         elif _is_sharded_module(obj):
             state[name] = ("sharded_module", _copied(_sharding().full_model_state(obj)))
         elif isinstance(obj, torch.nn.Module):
@@ -329,44 +404,12 @@ def _apply(state: dict[str, Any]) -> None:
             namespace[name] = copy.deepcopy(value)
         elif kind == "loader":
             obj.resume_from(value)
+        elif kind == "plain_loader":
+            obj.go_to(value)
         elif kind == "module":
             _module(obj).load_state_dict(value)
         else:
             obj.load_state_dict(copy.deepcopy(value))
-
-
-def _rng() -> dict[str, Any]:
-    """This rank's generators as they are now (a few KiB)."""
-    found: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    gpu = _gpu()
-    if gpu is not None:
-        found["cuda"] = torch.cuda.get_rng_state(gpu)
-    numpy = sys.modules.get("numpy")  # only where the user's code imported it
-    if numpy is not None:
-        found["numpy"] = numpy.random.get_state()
-    return found
-
-
-def _gpu() -> torch.device | None:
-    """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
-    context = rank_side.joined_context()
-    if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
-        return None
-    return context.device
-
-
-def _set_rng(saved: dict[str, Any]) -> None:
-    if "torch" in saved:
-        torch.set_rng_state(saved["torch"])
-    if "python" in saved:
-        random.setstate(saved["python"])
-    gpu = _gpu()
-    if "cuda" in saved and gpu is not None:
-        torch.cuda.set_rng_state(saved["cuda"], gpu)  # the sender's GPU generator onto this rank's GPU
-    if "numpy" in saved:
-        import numpy
-
-        numpy.random.set_state(saved["numpy"])
 
 
 def _sharding() -> Any:
@@ -420,6 +463,8 @@ def _progress_mark() -> list[Any]:
             )
         elif isinstance(obj, helpers.EpochDataLoader):
             mark.append((obj.epoch, obj.batches_done))
+        elif isinstance(obj, _plain()):
+            mark.append(obj.position)  # a pass begun and left at its first batch moved nothing
         elif isinstance(obj, torch.nn.Module):
             mark.append([torch_adapter.write_mark(p) for p in obj.parameters()])
     return mark

@@ -101,6 +101,7 @@ class EpochDataLoader(DataLoader):
         self.position = 0  # batches of this iteration whose step finished
         self.in_epoch = False
         self.after_batch: Any = None  # called with the loader after each finished step (tracking)
+        self.after_pass: Any = None  # called with the loader at the end of each pass (tracking)
         self._start = 0  # samples of the epoch's global order used before this iteration began
         self._resume_at = 0
 
@@ -129,6 +130,8 @@ class EpochDataLoader(DataLoader):
             if self.after_batch is not None:
                 self.after_batch(self)
         self.in_epoch = False
+        if self.after_pass is not None:
+            self.after_pass(self)
 
     @property
     def used(self) -> int:

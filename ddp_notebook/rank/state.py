@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .reloading import Reloader
     from .sharding import Recipe
 
-# the default of track(snapshot_every=...): a copy of a small model's state every 20 batches
-# costs a few percent of its step time (benchmarks/elastic.py measures it)
+# the default of track(snapshot_every=...): a copy of a small model's state every 20 batches (or
+# optimizer steps) costs under 1% of its step time (benchmarks/plain_loop_snapshots.py measures it)
 DEFAULT_SNAPSHOT_EVERY = 20
 KEEP_SNAPSHOTS = 2  # the newest one may be half taken on some ranks when a rank dies
 
@@ -76,7 +76,7 @@ class Tracked:
 
     objects: dict[str, Any] = field(default_factory=dict)  # name -> object, or elastic's NAMESPACE marker
     snapshots: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP_SNAPSHOTS))
-    every: int = DEFAULT_SNAPSHOT_EVERY  # batches of a tracked loader between two snapshots
+    every: int = DEFAULT_SNAPSHOT_EVERY  # batches of a tracked loader (or optimizer steps) between two snapshots
     seq: int = 0  # snapshots taken: the same on every rank at the same point
     hooked: bool = False  # the end-of-cell snapshot hook is registered
     collective: bool = False  # a tracked model is sharded: a snapshot gathers, every rank at once
@@ -87,6 +87,10 @@ class Tracked:
     diverged: bool = False
     progress: Any = None  # what training moved when the running cell began (`_progress_mark`)
     owners: dict[str, str] = field(default_factory=dict)  # tracked optimizer over a sharded model -> that model
+    steps: int = 0  # steps of the first tracked optimizer (`step_points`): the same on every rank
+    step_due: dict[str, Any] | None = None  # a step point's generators, until the next step starts
+    step_hooks: list[Any] = field(default_factory=list)  # torch's handles of the step points' hooks
+    stepping: Any = None  # a weak reference to the optimizer whose steps are counted
 
 
 @dataclass

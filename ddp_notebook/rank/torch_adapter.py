@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import re
 from collections.abc import Iterator
@@ -61,6 +62,25 @@ def ddp_buckets(layout: list[list[int]] | None) -> Iterator[None]:
         yield
     finally:
         dist._compute_bucket_assignment_by_size = compute
+
+
+def ddp_options(wrapper: torch.nn.parallel.DistributedDataParallel) -> dict[str, Any]:
+    """The options a DDP model was made with that a fresh wrapper must be given again (those
+    that differ from DDP's defaults), read from its attributes: a model the user wrapped."""
+    options: dict[str, Any] = {}
+    if wrapper.device_ids:
+        options["device_ids"] = list(wrapper.device_ids)
+        if wrapper.output_device is not None:
+            options["output_device"] = wrapper.output_device
+    for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph"):
+        if getattr(wrapper, name, False):
+            options[name] = True
+    # torch 2.13 keeps broadcast_buffers as forward_sync_buffers (the argument too); older ones as it is
+    synced = getattr(wrapper, "forward_sync_buffers", getattr(wrapper, "broadcast_buffers", True))
+    if not synced:
+        known = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+        options["forward_sync_buffers" if "forward_sync_buffers" in known else "broadcast_buffers"] = False
+    return options
 
 
 def drop_ddp_hooks(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
