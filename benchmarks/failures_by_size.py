@@ -139,6 +139,7 @@ class Size:
         else:
             began = pressed[0] if pressed else None
         out: dict[str, Any] = {"failing_rank": failing, "said": _error_line(cell), "report_lines": _report_lines(cell)}
+        out["report"] = _report(cell)
         errors = [o.wall for o in cell.outputs if o.error]
         out["message_s"] = errors[0] - began if errors and began is not None else None
         if kind == "death" and (back := CAME_BACK.search(cell.text)):
@@ -198,15 +199,20 @@ def _error_line(cell: Cell) -> str:
     return errors[0].splitlines()[0][:160] if errors else ("" if cell.returned else "(no answer)")
 
 
-def _report_lines(cell: Cell) -> int | None:
-    """The lines the notebook shows under the cell for its error (its traceback, not the ename line
-    before it), and the ranks' stderr notes beside it."""
-    errors = [o.text for o in cell.outputs if o.error]
+def _report(cell: Cell) -> str | None:
+    """What the notebook shows under the cell for its error (its traceback, not the ename line before
+    it), and the package's stderr notes beside it."""
+    errors = [o.shown for o in cell.outputs if o.error]
     if not errors:
         return None
-    shown = errors[0].rstrip("\n").splitlines()[1:]
+    shown = errors[0].rstrip("\n").splitlines()
     notes = [line for o in cell.outputs if not o.error for line in o.text.splitlines() if "ddp_notebook:" in line]
-    return len(shown) + len(notes)
+    return "\n".join(shown + notes)
+
+
+def _report_lines(cell: Cell) -> int | None:
+    report = _report(cell)
+    return None if report is None else len(report.splitlines())
 
 
 def verdict(case: str, out: dict[str, Any], goal: float) -> tuple[bool, str]:

@@ -28,7 +28,7 @@ def test_busy_ranks_are_grouped_by_what_they_do() -> None:
     assert busy.describe(range(1, 128), readings, NOW) == (
         "ranks 1-4, 7-8, 10-127 running cell line 3, in no collective; "
         f"ranks 5-6 blocked in all_reduce #4 [4] (cell line 7) since {began}; "
-        "rank 9 busy outside a cell (a request of the world)"
+        "rank 9 out of the cell's code (finishing it, or a request of the world)"
     )
     # a rank whose X-ray thread does not answer is not guessed at
     assert busy.describe([2], {}, NOW).startswith("rank 2 not answering")

@@ -30,7 +30,7 @@ def doing(reading: RankCollectives | None) -> str:
     if reading.in_cell:
         where = f"cell line {reading.cell_line}" if reading.cell_line is not None else "the cell"
         return f"running {where}, in no collective"
-    return "busy outside a cell (a request of the world)"
+    return "out of the cell's code (finishing it, or a request of the world)"
 
 
 def describe(busy: Iterable[int], readings: Mapping[int, RankCollectives], now: float | None = None) -> str:

@@ -207,10 +207,7 @@ def aggregate_lines(feed: Feed) -> list[str]:
     states = Counter(state.state for state in feed.ranks.values())
     counted = ", ".join(f"{count:,} {name}" for name, count in sorted(states.items(), key=lambda item: -item[1]))
     failed = [rank for rank, state in feed.ranks.items() if state.state == "failed"]
-    lines = [
-        f"{count_ranks(len(feed.ranks))}: {counted}"
-        + (f" (failed: {rank_ranges(failed)})" if failed else "")
-    ]
+    lines = [f"{count_ranks(len(feed.ranks))}: {counted}" + (f" (failed: {rank_ranges(failed)})" if failed else "")]
     for level in sorted({level for _, level in feed.bars}):
         summary = summarize_progress(feed.bars, level)
         if summary is not None:

@@ -198,8 +198,7 @@ def _wait_for_new_engines(
     while len(set(client.ids) - known) < len(slots):
         if time.perf_counter() > deadline:
             raise DDPError(
-                f"the new process for {name_ranks(slots)} did not register within "
-                f"{_start_timeout(provisioner):g} s"
+                f"the new process for {name_ranks(slots)} did not register within {_start_timeout(provisioner):g} s"
             )
         time.sleep(POLL_SECONDS)
     new_ids = sorted(set(client.ids) - known)
