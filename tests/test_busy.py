@@ -6,16 +6,18 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from ddp_notebook.cell import busy
 from ddp_notebook.cell.xray import RankCollectives
-from tests.conftest import wait_gone
+from tests.conftest import documented_magic_lines, wait_gone
 from tests.test_channel import waiting_in
 from tests.test_kernel import Kernel, kernel_world_pids
 
 NOW = 1_700_000_000.0  # the kernel's clock when the ranks were read
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "failures.md"
 
 
 def test_busy_ranks_are_grouped_by_what_they_do() -> None:
@@ -81,3 +83,5 @@ def test_a_raise_while_others_compute_says_what_they_do_and_the_next_cell_waits_
     assert all(f"[rank {rank}] Out: (3.0, {rank})" in out for rank in range(3)), out
     out, error = kernel.run("%ddp_interrupt", timeout=60)
     assert error is None and "no rank is running a cell: nothing to interrupt" in out, out
+    # the page's lines, as written there, are those run here
+    assert documented_magic_lines(DOCS, "Ranks left running: `%ddp_interrupt`") == ["%ddp_interrupt"]
