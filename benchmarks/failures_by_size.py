@@ -2,10 +2,14 @@
 kernel, the other ranks waiting in a collective while one fails, then a next cell.
 
     python benchmarks/failures_by_size.py --ranks 2,3,4,8 [--json PATH]
+    python benchmarks/failures_by_size.py --ranks 2,3,4,8,16 \
+        --cases raise_first,raise_last,hang,interrupt,mismatch,death_middle
 
 For each size and case it prints the seconds from the failure to the error under the cell, whether
 the next cell (an all_reduce on every rank) works with every variable kept, and, for a death, how
-long the rank took to come back. `resume` kills the last rank mid-epoch in a tracked training loop
+long the rank took to come back; then the lines of the report under the cell (the error as the
+notebook shows it: the root cause's traceback included), which should not grow with the world.
+`resume` kills the last rank mid-epoch in a tracked training loop
 (Adam, a scheduler, dropout), runs the loop again to the end and compares every rank's weights with
 an uninterrupted run of the same loop in the same world, bit for bit. Sizes past this machine's
 default (one rank per core, at least 4) start with --force. Exits non-zero where a case is not ok.
@@ -134,7 +138,8 @@ class Size:
             began = cell.sent + CELL_TIMEOUT
         else:
             began = pressed[0] if pressed else None
-        out: dict[str, Any] = {"failing_rank": failing, "said": _error_line(cell)}
+        out: dict[str, Any] = {"failing_rank": failing, "said": _error_line(cell), "report_lines": _report_lines(cell)}
+        out["report"] = _report(cell)
         errors = [o.wall for o in cell.outputs if o.error]
         out["message_s"] = errors[0] - began if errors and began is not None else None
         if kind == "death" and (back := CAME_BACK.search(cell.text)):
@@ -170,6 +175,7 @@ class Size:
             WAIT,
         )
         out: dict[str, Any] = {"failing_rank": last, "killed_at_step": kill_at, "said": _error_line(kill)}
+        out["report_lines"] = _report_lines(kill)
         errors = [o.wall for o in kill.outputs if o.error]
         began = float(event.read_text()) if event.exists() else None
         out["message_s"] = errors[0] - began if errors and began is not None else None
@@ -191,6 +197,22 @@ def _indent(code: str, spaces: int = 4) -> str:
 def _error_line(cell: Cell) -> str:
     errors = [o.text for o in cell.outputs if o.error]
     return errors[0].splitlines()[0][:160] if errors else ("" if cell.returned else "(no answer)")
+
+
+def _report(cell: Cell) -> str | None:
+    """What the notebook shows under the cell for its error (its traceback, not the ename line before
+    it), and the package's stderr notes beside it."""
+    errors = [o.shown for o in cell.outputs if o.error]
+    if not errors:
+        return None
+    shown = errors[0].rstrip("\n").splitlines()
+    notes = [line for o in cell.outputs if not o.error for line in o.text.splitlines() if "ddp_notebook:" in line]
+    return "\n".join(shown + notes)
+
+
+def _report_lines(cell: Cell) -> int | None:
+    report = _report(cell)
+    return None if report is None else len(report.splitlines())
 
 
 def verdict(case: str, out: dict[str, Any], goal: float) -> tuple[bool, str]:
@@ -265,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["case", *(f"{n} ranks" for n in sizes)], rows)
     print("seconds: from the failure to the error under the cell (hang: from the end of its 5 s limit; death,")
     print("resume: the rank already back), then the comeback's own figure; goal <= 2 s up to 4 ranks, <= 5 s at 8")
+    print()
+    lines_rows = []
+    for case in cases:
+        counts = [[o.get("report_lines") for o in samples[n][case]] for n in sizes]
+        lines_rows.append([case, *(" / ".join(fmt(c) for c in dict.fromkeys(found)) for found in counts)])
+    print_table(["report lines", *(f"{n} ranks" for n in sizes)], lines_rows)
+    print("report lines: the error under the cell as the notebook shows it (goal: <= 25 at 16 ranks, as at 2 at 8)")
     payload = {"command": " ".join([sys.executable, *sys.argv]), "machine": info}
     payload |= {"samples": samples, "summary": summary}
     write_json(args.json or RESULTS / "failures_by_size.json", payload)

@@ -90,6 +90,7 @@ class Output:
     update: bool = False
     late: bool = False  # arrived after its cell's reply
     error: bool = False  # an error report
+    shown: str = ""  # an error report as the notebook shows it: its traceback (without the ename: evalue line)
 
 
 @dataclass
@@ -436,8 +437,9 @@ class Kernel:
                 self.displays[display_id] = cell
             cell.outputs.append(Output(time.time(), text, display_id, update, late))
         elif kind == "error":
-            text = f"{content['ename']}: {content['evalue']}\n" + ANSI.sub("", "\n".join(content["traceback"])) + "\n"
-            cell.outputs.append(Output(time.time(), text, late=late, error=True))
+            shown = ANSI.sub("", "\n".join(content["traceback"])) + "\n"
+            text = f"{content['ename']}: {content['evalue']}\n" + shown
+            cell.outputs.append(Output(time.time(), text, late=late, error=True, shown=shown))
         elif kind == "status" and content["execution_state"] == "idle":
             self.idle.add(msg_id)
 

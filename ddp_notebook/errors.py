@@ -1,13 +1,14 @@
 """The DDPError family, and how its messages name ranks.
 
 `UsageError`-style mistakes (bad arguments, no world running) derive from `DDPUsageError`
-so the magics can turn them into IPython `UsageError`s: one line, no traceback. Up to
-GROUP_ABOVE ranks a message names each rank; in a larger world it writes them as runs
-("0-511, 513-1023") and groups the ranks that say the same.
+so the magics can turn them into IPython `UsageError`s: one line, no traceback. A message names
+ranks through `name_ranks` ("rank 3", "ranks 1-15", "ranks 0-511, 513-1023"), and a failure report
+gives the ranks that failed the same way one line, at 3 ranks as at 1,000.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,13 +17,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .wire.results import Death
 
-# up to this many ranks a report has a line per rank; above, ranks that say the same share one
+# up to this many ranks a view (the live view, the X-ray, %ddp_status) has a line per rank; above,
+# ranks that say the same share one (failure reports group at every size)
 GROUP_ABOVE = 16
-# a list of ranks in a report names at most this many runs ("0-3, 5, 7-9": 3 runs)
+# a list of ranks in a message names at most this many runs ("0-3, 5, 7-9": 3 runs)
 RUNS_SHOWN = 8
 
 
-def rank_ranges(ranks: Iterable[int], limit: int | None = None) -> str:
+def rank_ranges(ranks: Iterable[int], limit: int | None = RUNS_SHOWN) -> str:
     """Ranks as runs, sorted and without repeats: [0, 1, 2, 3, 5, 7, 8, 9] -> "0-3, 5, 7-9";
     past `limit` runs, the rest counted: "0, 2, 4, ... (509 more)"."""
     runs: list[list[int]] = []
@@ -37,6 +39,31 @@ def rank_ranges(ranks: Iterable[int], limit: int | None = None) -> str:
         more = sum(last - first + 1 for first, last in runs[len(shown) :])
         text += f", ... ({more:,} more)"
     return text
+
+
+def name_ranks(ranks: Iterable[int], limit: int | None = RUNS_SHOWN) -> str:
+    """Ranks for a message, as runs: "rank 3", "ranks 1-15", "ranks 0, 2, 4, ... (509 more)"; "" for none."""
+    chosen = set(ranks)
+    if not chosen:
+        return ""
+    return f"rank{'s' if len(chosen) > 1 else ''} {rank_ranges(chosen, limit)}"
+
+
+def name_counted(ranks: Iterable[int]) -> str:
+    """`name_ranks`, with the count where the runs do not make it plain at a glance: "ranks 1-15",
+    "ranks 0, 2", "ranks 0-511, 513-1023 (1,023 ranks)"."""
+    chosen = sorted(set(ranks))
+    named = name_ranks(chosen)
+    runs = 1 + sum(1 for a, b in itertools.pairwise(chosen) if b != a + 1)
+    return f"{named} ({count_ranks(len(chosen))})" if runs > 1 and len(chosen) > GROUP_ABOVE else named
+
+
+def group_ranks(described: Iterable[tuple[int, str]]) -> dict[str, list[int]]:
+    """(rank, what it says) pairs as {what: its ranks}, in the order of each group's lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, what in sorted(described):
+        groups.setdefault(what, []).append(rank)
+    return groups
 
 
 def count_ranks(count: int) -> str:
@@ -90,11 +117,14 @@ class RankError(DDPError):
         busy_ranks: tuple[int, ...] = (),
         note: str = "",
         released_from: Mapping[int, str] | None = None,
+        busy_doing: str = "",
     ) -> None:
         if not failures:
             raise ValueError("RankError needs at least one failure")
         self.failures = sorted(failures, key=_failure_order)
         self.busy_ranks = busy_ranks
+        # what the busy ranks were doing when the cell ended, grouped ("ranks 1-3 running cell line 3, ...")
+        self.busy_doing = busy_doing
         self.note = note
         # rank -> the collective it was blocked in when the world released it ("all_reduce #4 at cell line 7")
         self.released_from = dict(released_from or {})
@@ -111,7 +141,7 @@ class RankError(DDPError):
         lines.extend(root.traceback or (root.summary,))
         lines.extend(failure_lines(self.failures[1:], self.released_from))
         if self.busy_ranks:
-            lines.append(f"ranks still running when the cell ended: {rank_list(self.busy_ranks)}")
+            lines.append(f"still running when the cell ended: {self.busy_doing or name_ranks(self.busy_ranks)}")
         if root.ename == "SystemExit":
             lines.append("(sys.exit() ends the cell, not the rank: the world keeps running; %ddp_stop ends it)")
         if self.note:
@@ -122,36 +152,37 @@ class RankError(DDPError):
 def failure_lines(
     failures: list[RankFailure], released_from: Mapping[int, str], verb: str = "also failed"
 ) -> list[str]:
-    """A line per failing rank (`rank 3 also failed: ...`); past GROUP_ABOVE of them, one per collective
-    the ranks were released from ("1,023 ranks were released from all_reduce #412 at cell line 7: ...")
-    and one per kind of error, numbers aside (gloo names each peer's port)."""
-    if len(failures) <= GROUP_ABOVE:
-        return [
-            f"rank {f.rank} {verb}: {f.summary}"
-            + (f" (released from {released_from[f.rank]})" if f.rank in released_from else "")
-            for f in failures
-        ]
+    """One line per kind of failure, its ranks as runs, at every world size: the ranks released from
+    the same collective share one ("ranks 1-15 also failed: RuntimeError: Connection closed by peer
+    [127.0.0.1]:40000 (released from all_reduce #1 at cell line 5)"), whatever each raised then; the
+    others share one where their errors are the same, numbers aside (gloo names each peer's port)."""
     groups: dict[str, list[RankFailure]] = {}
     for failure in failures:
         where = released_from.get(failure.rank)
-        key = f"released from {where}" if where else re.sub(r"\d+", "#", failure.summary)
+        key = f"released from {where}" if where else re.sub(r"\d+", "#", short_summary(failure.summary))
         groups.setdefault(key, []).append(failure)
     lines = []
-    for key, members in groups.items():
-        ranks = rank_ranges((f.rank for f in members), RUNS_SHOWN)
-        first = members[0]
+    for key, members in sorted(groups.items(), key=lambda item: min(f.rank for f in item[1])):
+        first = min(members, key=lambda f: f.rank)
         if first.rank in released_from:
-            lines.append(f"{count_ranks(len(members))} were {key}: {ranks} ({first.summary})")
-        elif len(members) == 1:
-            lines.append(f"rank {first.rank} {verb}: {first.summary}")
-        else:
-            lines.append(f"{count_ranks(len(members))} {verb} ({ranks}): {first.summary}")
+            said = f" ({key})"
+        else:  # the same error, numbers aside: the first one's text, said to be one of several
+            said = " (numbers vary)" if len({f.summary for f in members}) > 1 else ""
+        lines.append(f"{name_counted(f.rank for f in members)} {verb}: {short_summary(first.summary)}{said}")
     return lines
 
 
-def rank_list(ranks: tuple[int, ...]) -> str:
-    """Ranks for a message: "0, 1, 3", or past GROUP_ABOVE of them as runs ("0-511, 513-1023")."""
-    return ", ".join(map(str, ranks)) if len(ranks) <= GROUP_ABOVE else rank_ranges(ranks, RUNS_SHOWN)
+# gloo's errors open with its source file and end with advice; the middle says what happened
+_GLOO_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\] ")
+_GLOO_ADVICE = ". This is typically caused by"
+
+
+def short_summary(summary: str) -> str:
+    """An error's one line without gloo's source-file prefix and advice: "RuntimeError: Connection
+    closed by peer [127.0.0.1]:40000" (its full text stays in the traceback %ddp_debug shows)."""
+    summary = _GLOO_SOURCE.sub("", summary, count=1)
+    cut = summary.find(_GLOO_ADVICE)
+    return summary[:cut] if cut >= 0 else summary
 
 
 def _failure_order(failure: RankFailure) -> tuple[float, int]:
@@ -180,7 +211,7 @@ class RankDiedError(DDPError):
         self.released_from = dict(released_from or {})
         # what happened after: the world replaced the rank ("" when it could not)
         self.came_back = came_back
-        died = "; ".join(f"rank {rank} {how}" for rank, how in sorted(dead.items()))
+        died = name_deaths(dead)
         if came_back:
             super().__init__(f"{died}. {came_back}")
         else:
@@ -191,14 +222,23 @@ class RankDiedError(DDPError):
         return [str(self), *failure_lines(self.failures, self.released_from, "then failed")]
 
 
+def name_deaths(dead: Mapping[int, Death]) -> str:
+    """How ranks ended, the ranks that ended the same way together: "ranks 2-3 were killed by SIGKILL"."""
+    parts = []
+    for how, ranks in group_ranks((rank, str(death)) for rank, death in dead.items()).items():
+        said = f"were {how[4:]}" if len(ranks) > 1 and how.startswith("was ") else how
+        parts.append(f"{name_ranks(ranks)} {said}")
+    return "; ".join(parts)
+
+
 class CellTimeoutError(DDPError):
     """A cell ran past its time limit; the ranks were interrupted."""
 
     def __init__(self, timeout: float, busy_ranks: tuple[int, ...], detail: str = "") -> None:
         self.timeout = timeout
         self.busy_ranks = busy_ranks
-        ranks = rank_list(busy_ranks) or "none"
-        message = f"cell exceeded its {timeout:g} s limit; ranks still running: {ranks}"
+        running = f"still running: {name_ranks(busy_ranks)}" if busy_ranks else "every rank was stopped"
+        message = f"cell exceeded its {timeout:g} s limit; {running}"
         super().__init__(message + (f"\n{detail}" if detail else ""))
 
     def _render_traceback_(self) -> list[str]:

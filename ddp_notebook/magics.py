@@ -6,6 +6,7 @@ Python and handed over with `world.activate()`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shlex
 import sys
@@ -19,7 +20,8 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cell import xray
 from .cell.output import tag_text
-from .errors import DDPUsageError, InsecureNetworkWarning
+from .errors import DDPUsageError, InsecureNetworkWarning, name_ranks
+from .live import trackers
 from .live.feed import Feed, Metrics, Recorder
 from .wire.results import CellResult
 from .world import config, export, launchers, spare
@@ -70,29 +72,49 @@ def _names(text: str | None) -> tuple[str, ...]:
     return names
 
 
-def _world_options(method: F) -> F:
-    """The options %ddp_start and %ddp_attach share: time limits."""
-    for decorator in reversed(
-        (
-            argument(
-                "--timeout",
-                type=float,
-                default=config.DEFAULT_COLLECTIVE_TIMEOUT,
-                help="seconds a collective may wait before it fails (default: %(default)s)",
-            ),
-            argument(
-                "--cell-timeout", type=float, default=None, help="default time limit of each %%%%ddp cell, seconds"
-            ),
-            argument(
-                "--start-timeout",
-                type=float,
-                default=config.DEFAULT_START_TIMEOUT,
-                help="seconds to wait for the ranks to come up (default: %(default)s)",
-            ),
-        )
-    ):
-        method = decorator(method)
-    return method
+def _options(*arguments: Callable[[F], F]) -> Callable[[F], F]:
+    """A group of options declared once and given to every magic where it makes sense (as ipyparallel's
+    magics share `exec_args` and `output_args`), so that an option reads the same wherever it is taken."""
+
+    def add(method: F) -> F:
+        for decorator in reversed(arguments):
+            method = decorator(method)
+        return method
+
+    return add
+
+
+# where a world's ranks run and how long they may take: %ddp_start and %ddp_attach
+_world_options = _options(
+    argument(
+        "--timeout",
+        type=float,
+        default=config.DEFAULT_COLLECTIVE_TIMEOUT,
+        help="seconds a collective may wait before it fails (default: %(default)s)",
+    ),
+    argument("--cell-timeout", type=float, default=None, help="default time limit of each %%%%ddp cell, seconds"),
+    argument(
+        "--start-timeout",
+        type=float,
+        default=config.DEFAULT_START_TIMEOUT,
+        help="seconds to wait for the ranks to come up (default: %(default)s)",
+    ),
+)
+# where the training cells' metrics also go: %ddp_start (every cell from then on) and %%ddp (this cell)
+_tracker_options = _options(
+    argument("--tracker", default=None, help="metrics also to tensorboard[:DIR], mlflow[:URI], wandb[:PROJECT]"),
+    argument(
+        "--tracker-ranks",
+        default=None,
+        choices=trackers.RANK_CHOICES,
+        help="0: rank 0's metrics (default); all: every rank's as NAME/rankN",
+    ),
+    argument("--params", default=None, help="rank 0's variables logged as hyperparameters, e.g. lr,batch_size"),
+)
+# which ranks a line acts on: %%ddp, %ddp_interrupt
+_ranks_option = _options(
+    argument("--ranks", default=None, help="which ranks: 0, 0,2, 1-3 or all (default: all)"),
+)
 
 
 def _start_and_summarize(world: DDPCluster, start: Callable[[], object]) -> None:
@@ -194,9 +216,7 @@ class DDPMagics(Magics):
         action="store_true",
         help="strict mode: the ranks compare op and shapes before each collective (ddp_notebook.check_collectives)",
     )
-    @argument("--tracker", default=None, help="metrics also to tensorboard[:DIR], mlflow[:URI], wandb[:PROJECT]")
-    @argument("--tracker-ranks", default="0", help="0: rank 0's metrics (default); all: every rank's as NAME/rankN")
-    @argument("--params", default=None, help="rank 0's variables logged as hyperparameters, e.g. lr,batch_size")
+    @_tracker_options
     @line_magic
     @_usage_errors
     def ddp_start(self, line: str) -> None:
@@ -209,7 +229,9 @@ class DDPMagics(Magics):
         args = parse_line(self.ddp_start, line)
         world = DDPCluster(settings)
         if args.tracker is not None:
-            world.track(args.tracker, ranks=args.tracker_ranks, params=_names(args.params))  # checked before the start
+            world.track(args.tracker, ranks=args.tracker_ranks or "0", params=_names(args.params))  # checked first
+        elif args.tracker_ranks is not None or args.params is not None:
+            raise DDPUsageError("--tracker-ranks and --params go with --tracker KIND (tensorboard, mlflow or wandb)")
         self._start(world, restart)
 
     @magic_arguments()
@@ -276,7 +298,7 @@ class DDPMagics(Magics):
     # ---------------------------------------------------------------- %%ddp
 
     @magic_arguments()
-    @argument("--ranks", default=None, help="ranks to run on: 0, 0,2, 1-3 or all (default: all)")
+    @_ranks_option
     @argument("--timeout", type=float, default=None, help="time limit of this cell, seconds")
     @argument("--no-stream", action="store_true", help="print each rank's output when the cell ends")
     @argument(
@@ -292,8 +314,7 @@ class DDPMagics(Magics):
         action="store_true",
         help="this cell sets a rank up: it is replayed on a rank that replaces a dead one",
     )
-    @argument("--tracker", default=None, help="metrics also to tensorboard[:DIR], mlflow[:URI], wandb[:PROJECT]")
-    @argument("--params", default=None, help="rank 0's variables logged as hyperparameters, e.g. lr,batch_size")
+    @_tracker_options
     @argument(
         "--profile",
         nargs="?",
@@ -332,7 +353,7 @@ class DDPMagics(Magics):
                 timeout=args.timeout,
                 stream=not args.no_stream,
                 setup=args.setup,
-                tracker=args.tracker,
+                tracker=_cell_tracker(world, args.tracker, args.tracker_ranks),
                 params=_names(args.params),
                 profile=profile,
                 show=args.show,
@@ -475,6 +496,22 @@ class DDPMagics(Magics):
         world = self._running_world()
         print(world.output(int(text)), end="")
 
+    @magic_arguments()
+    @_ranks_option
+    @line_magic
+    @_usage_errors
+    def ddp_interrupt(self, line: str = "") -> None:
+        """Send KeyboardInterrupt to the ranks still running an earlier cell (a failure elsewhere left
+        them computing): `%ddp_interrupt`, `%ddp_interrupt --ranks 1-3`. The next cell then runs."""
+        args = parse_line(self.ddp_interrupt, line)
+        world = self._running_world()
+        busy = world.busy_ranks(args.ranks)
+        if not busy:
+            print("no rank is running a cell: nothing to interrupt")
+            return
+        world.interrupt(busy)
+        print(f"sent KeyboardInterrupt to {name_ranks(busy)}")
+
     @line_magic
     @_usage_errors
     def ddp_status(self, line: str = "") -> None:
@@ -615,6 +652,18 @@ def _make_view(ranks: int) -> Any:
     from .live.large_view import make_view
 
     return make_view(ranks=ranks)
+
+
+def _cell_tracker(world: DDPCluster, tracker: str | None, ranks: str | None) -> trackers.TrackerSettings | None:
+    """A %%ddp line's tracker: its --tracker with its --tracker-ranks, or the world's with other ranks."""
+    if tracker is not None:
+        return trackers.TrackerSettings.parse(tracker, ranks or "0")
+    if ranks is None:
+        return None
+    current = world.tracking.settings
+    if current is None:
+        raise DDPUsageError("--tracker-ranks goes with a tracker: add --tracker KIND (or %ddp_start --tracker KIND)")
+    return dataclasses.replace(current, ranks=ranks)
 
 
 def _profile_steps(args: Any) -> int | None:

@@ -121,7 +121,12 @@ def test_parse_ranks(spec: str, expected: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("7", "this world has ranks 0-3"), ("-1", "do not exist"), ("a", "cannot read ranks"), ("3-1", "backwards")],
+    [
+        ("7", "this world has ranks 0-3"),
+        ("-1", "rank -1 does not exist"),
+        ("a", "cannot read ranks"),
+        ("3-1", "backwards"),
+    ],
 )
 def test_parse_ranks_errors(spec: str, message: str) -> None:
     with pytest.raises(DDPUsageError, match=message):

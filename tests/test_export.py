@@ -43,7 +43,7 @@ def test_selection_and_rendering_without_a_world() -> None:
     assert [c.number for c in choose(history, None)] == [1, 3]
     with pytest.raises(DDPUsageError, match="cell 2 failed"):
         choose(history, [2])
-    assert "  2  FAILED  ranks 0,1" in listing(history)
+    assert "  2  FAILED  ranks 0-1" in listing(history)
     text = render(choose(history, None), "train.py")
     assert "torchrun --nproc-per-node 2 train.py" in text
     assert "if rank in (0,):\n    print(a)" in text and "raise ValueError" not in text

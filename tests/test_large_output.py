@@ -117,11 +117,11 @@ def test_rank_lists_past_their_limit_count_the_rest() -> None:
     assert rank_ranges([1, 2, 3], limit=3) == "1-3"
 
 
-def test_reports_group_ranks_that_say_the_same_above_the_threshold() -> None:
+def test_reports_group_ranks_that_say_the_same_at_every_size() -> None:
     from ddp_notebook.cell.large_output import grouped_lines
 
-    few = [(1, "in all_reduce #4"), (0, "in all_reduce #4")]
-    assert grouped_lines(few) == ["rank 0: in all_reduce #4", "rank 1: in all_reduce #4"]
+    few = [(1, "in all_reduce #4"), (0, "in all_reduce #4"), (2, "running <module> (cell line 3)")]
+    assert grouped_lines(few) == ["ranks 0-1: in all_reduce #4", "rank 2: running <module> (cell line 3)"]
     many = [(rank, "in all_reduce #412 (cell line 7)") for rank in range(1024) if rank != 5]
     many.append((5, "running <module> (cell line 3), never reached the collective"))
     assert grouped_lines(many) == [

@@ -266,7 +266,7 @@ def check_seeing_inside(notebook: nbformat.NotebookNode, text: str) -> None:
     live view too); pdb on rank 1."""
     html = " ".join(str(m.get("value", "")) for m in widget_models(notebook) if m["_model_name"] == "HTMLModel")
     assert re.search(r"rank 1 is the straggler: [\d.]+x, compute", html), "the live view names the straggler"
-    assert "rank(s) 1 finished the cell without a collective that rank(s) 0 wait in" in text
+    assert "rank 1 finished the cell without a collective that rank 0 waits in" in text
     assert "rank 0 waits in all_reduce #1 [3], cell line 4" in text
     assert "every rank is blocked, in collectives with different ops" in text
     assert re.search(r"rank 1 waits in broadcast #\d+ \[3\], cell line 2", text)

@@ -176,6 +176,44 @@ def test_a_failed_cell_that_leaves_a_rank_running_ends_as_a_failure_not_an_inter
     assert ("release_blocked", (2,)) in supervisor.calls
 
 
+class SlowToReply(StuckElsewhere):
+    """Its released ranks leave the cell's code at once but their replies come late (a loaded machine):
+    the X-ray says they are out of the cell; `replied_after` seconds after the release, they reply."""
+
+    def __init__(self, ranks: Ranks, replied_after: float) -> None:
+        super().__init__(ranks)
+        self.replied_after = replied_after
+        self.released_at: float | None = None
+
+    def release_blocked(self, ranks: tuple[int, ...]) -> None:
+        super().release_blocked(ranks)
+        self.released_at = time.monotonic()
+
+    def collectives(self, ranks: tuple[int, ...]) -> dict[int, RankCollectives]:
+        if self.released_at is not None and time.monotonic() - self.released_at > self.replied_after:
+            for rank in ranks:
+                self.ranks.reply(rank, "Connection closed by peer")
+        return {rank: RankCollectives(rank, (), None, False, 0) for rank in ranks}
+
+
+def test_ranks_whose_replies_are_on_their_way_are_waited_for() -> None:
+    relay, _, ranks = _relay(3)
+    supervisor = SlowToReply(ranks, replied_after=DEATH_GRACE_SECONDS + 1.0)
+    ranks.reply(0, "fails on purpose")
+    ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
+    assert ending is Ending.DONE and relay.unfinished() == ()
+    assert [f.rank for f in relay.failures()] == [0, 1, 2]  # in the report, not "still running"
+
+
+def test_a_rank_still_in_the_cells_code_is_not_waited_for_past_the_grace() -> None:
+    relay, _, ranks = _relay(3)
+    supervisor = StuckElsewhere(ranks)  # its X-ray answers nothing: no reply is known to be on its way
+    ranks.reply(0, "fails on purpose")
+    began = time.monotonic()
+    relay.wait(_sink(), timeout=30, supervisor=supervisor)
+    assert relay.unfinished() == (1, 2) and time.monotonic() - began < DEATH_GRACE_SECONDS + 2
+
+
 def test_every_rank_replying_in_time_releases_nothing() -> None:
     relay, _, ranks = _relay(3)
     supervisor = FakeSupervisor(ranks)

@@ -97,7 +97,7 @@ def test_each_ending_maps_to_one_error() -> None:
         with pytest.raises(kind):
             outcome.raise_for_error()
     interrupted, timed_out, died, raised = (case[0].error() for case in cases)
-    assert "still running: 1" in str(interrupted)
+    assert "still running: rank 1" in str(interrupted)
     assert "5 s limit" in str(timed_out) and "r0" in str(timed_out)
     assert died.dead == {1: EXITED_3} and [f.rank for f in died.failures] == [0]  # type: ignore[union-attr]
     assert str(died).startswith("rank 1 exited with code 3. ")

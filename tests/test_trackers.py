@@ -238,6 +238,11 @@ def test_the_tracker_magics_in_a_kernel(tmp_path: Path) -> None:
         assert error is None, out
         out, error = cell("%%ddp --tracker tensorboard:runs", TRAINING)
         assert error is None, out
+        # --tracker-ranks on a cell's line, as on %ddp_start
+        out, error = cell("%%ddp --tracker tensorboard:every_rank --tracker-ranks all", TRAINING)
+        assert error is None, out
+        out, error = kernel.run("%%ddp --tracker tensorboard:runs --tracker-ranks some\nx = 1")
+        assert "UsageError: argument --tracker-ranks: invalid choice: 'some'" in out, out
         out, error = kernel.run("%%ddp --tracker comet\nx = 1")
         assert "UsageError: tracker must be one of tensorboard, mlflow, wandb" in out, out
         out, error = kernel.run("%ddp_stop")
@@ -251,5 +256,7 @@ def test_the_tracker_magics_in_a_kernel(tmp_path: Path) -> None:
     assert found.data.params["lr"] == "0.1"
     [folder] = list((tmp_path / "runs").iterdir())
     assert tensorboard_scalars(folder) == {"loss": expected(0)}  # a cell's own tracker: rank 0's only
+    [folder] = list((tmp_path / "every_rank").iterdir())
+    assert tensorboard_scalars(folder) == {"loss/rank0": expected(0), "loss/rank1": expected(1)}
     missing = [line for line in documented_lines() if line not in ran]
     assert documented_lines() and missing == [], f"documented in {DOCS.name} but not run as written: {missing}"

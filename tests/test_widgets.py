@@ -358,7 +358,7 @@ def test_live_view_shows_the_xray_while_a_rank_waits_and_hides_it_after(comms: l
     assert display == "" and "waiting in a collective" in html
     assert "<td>1</td><td>all_reduce #7 [4]</td><td>2</td><td>4.2 s</td>" in html
     assert "<td>0</td><td>in no collective</td><td>5</td><td>-</td>" in html
-    assert "ranks 0, 1 · running" in view.header.value  # made by the X-ray, before any rank's message
+    assert "ranks 0-1 · running" in view.header.value  # made by the X-ray, before any rank's message
     # a reading rank 0 did not answer (a loaded machine): its row stays, with what it said last
     clock.advance(1)
     feed.collectives({1: waiting_in(1, 5.2, seq=7, line=2)})

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, rank_ranges
+from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, group_ranks, name_counted, rank_ranges
 from .output import rank_prefix
 
 # worlds up to this many ranks show every line of every rank (and their reports a line per rank)
@@ -203,21 +203,10 @@ class LargeOutput:
         return [("stderr", "".join(text))]
 
 
-def grouped_lines(described: Iterable[tuple[int, str]], group_above: int = GROUP_ABOVE) -> list[str]:
-    """`rank N: what` for each (rank, what); with more than `group_above` of them, the ranks that
-    say the same share a line, in the order of their lowest rank: `ranks 0-4, 6-1023 (1,023 ranks): what`."""
-    items = sorted(described)
-    if len(items) <= group_above:
-        return [f"rank {rank}: {what}" for rank, what in items]
-    groups: dict[str, list[int]] = {}
-    for rank, what in items:
-        groups.setdefault(what, []).append(rank)
-    return [
-        f"rank {ranks[0]}: {what}"
-        if len(ranks) == 1
-        else f"ranks {rank_ranges(ranks, RUNS_SHOWN)} ({count_ranks(len(ranks))}): {what}"
-        for what, ranks in groups.items()
-    ]
+def grouped_lines(described: Iterable[tuple[int, str]]) -> list[str]:
+    """The ranks that say the same share a line, in the order of their lowest rank, at every world
+    size: `rank 3: what`, `ranks 1-15: what`, `ranks 0-4, 6-1023 (1,023 ranks): what`."""
+    return [f"{name_counted(ranks)}: {what}" for what, ranks in group_ranks(described).items()]
 
 
 def grouped_waits(places: Iterable[tuple[int, str, float | None]], waited: str = " for {}") -> list[str]:

@@ -18,7 +18,7 @@ from ..errors import (
     RankDiedError,
     RankError,
     RankFailure,
-    rank_list,
+    name_ranks,
 )
 from ..wire.channel import CellEnd
 from ..wire.results import CellResult, Death
@@ -49,6 +49,8 @@ class CellOutcome:
     mismatch: Mismatch | None = None  # ranks blocked in collectives that could never match
     # rank -> the collective it was blocked in when released (its failure is that release)
     released_from: Mapping[int, str] = field(default_factory=dict)
+    # what the unfinished ranks were doing when the wait ended, from their X-ray (cell/busy.py)
+    busy_doing: str = ""
 
     @property
     def ok(self) -> bool:
@@ -64,9 +66,9 @@ class CellOutcome:
     def error(self) -> DDPError | None:
         """The exception this outcome means for the caller (None when the cell succeeded)."""
         if self.ending is Ending.INTERRUPTED:
-            busy = f"; still running: {rank_list(self.unfinished)}" if self.unfinished else ""
-            ranks = rank_list(self.result.ranks)
-            return CellInterruptedError(f"cell interrupted on ranks {ranks}{busy}{self.heal_note}")
+            busy = f"; still running: {self.busy_doing or name_ranks(self.unfinished)}" if self.unfinished else ""
+            ranks = name_ranks(self.result.ranks)
+            return CellInterruptedError(f"cell interrupted on {ranks}{busy}{self.heal_note}")
         if self.ending is Ending.TIMEOUT:
             assert self.timeout is not None
             return CellTimeoutError(self.timeout, self.unfinished, self.stuck_report + self.heal_note)
@@ -82,6 +84,7 @@ class CellOutcome:
                 busy_ranks=self.unfinished,
                 note=self.heal_note.strip(),
                 released_from=self.released_from,
+                busy_doing=self.busy_doing,
             )
         return None
 

@@ -45,6 +45,10 @@ COLLECTIVES_CHECK_RANKS = 32
 # after ranks in mismatched collectives were released, how long they get to fail and reply (they
 # fail at once; the margin is for a loaded machine, and the wait ends when they have replied)
 MISMATCH_GRACE_SECONDS = 10.0
+# past a grace, ranks whose X-ray says they left the cell's code (their reply is on its way: a loaded
+# machine, a large world) are waited for this much longer, a little at a time, so that the report has
+# their failures instead of calling them still running
+REPLY_GRACE_SECONDS, REPLY_STEP_SECONDS = 5.0, 0.5
 # how often an unfinished text progress line (plain tqdm) is drawn again while a cell runs
 PROGRESS_DRAW_SECONDS = 0.5
 
@@ -90,6 +94,7 @@ class _WaitClock:
     replied_at: float | None = None
     stop_at: float | None = None  # set once we interrupted the ranks or one died
     release_at: float | None = None  # set once some ranks finished badly while others run
+    replies_until: float | None = None  # the latest a grace is extended for replies on their way
     next_death_check: float = 0.0
     next_memory_check: float = 0.0
     next_collectives_check: float = 0.0
@@ -361,7 +366,9 @@ class CellRelay:
         ):
             return True
         if clock.stop_at is not None and now > clock.stop_at:
-            return True
+            if not self._replies_on_their_way(clock, supervisor, now):
+                return True
+            clock.stop_at = now + REPLY_STEP_SECONDS
         if self.dead and self._survivors_done():
             return True
         if clock.timeout is not None and clock.stop_at is None and now - clock.began > clock.timeout:
@@ -382,6 +389,20 @@ class CellRelay:
                 if clock.stop_at is None:
                     clock.stop_at = now + DEATH_GRACE_SECONDS
         return False
+
+    def _replies_on_their_way(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> bool:
+        """Whether a rank not done yet has left the cell's code (its reply is being sent), within
+        REPLY_GRACE_SECONDS of the first grace's end."""
+        if clock.replies_until is None:
+            clock.replies_until = now + REPLY_GRACE_SECONDS
+        running = tuple(rank for rank in self.unfinished() if rank not in self.dead)
+        if not running or now > clock.replies_until:
+            return False
+        try:
+            readings = supervisor.collectives(running)
+        except Exception:  # noqa: BLE001  (no reading: the wait ends as it would have)
+            return False
+        return any(not reading.in_cell for reading in readings.values())
 
     def _draw_progress_lines(self, clock: _WaitClock, sink: OutputSink, assembler: LineAssembler) -> None:
         """A few times a second, the lowest rank's unfinished progress line on each stream, drawn in place.

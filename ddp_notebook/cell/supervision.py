@@ -13,7 +13,6 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import GROUP_ABOVE
 from ..platform import limits
 from ..platform.limits import MEMORY_REARM_FRACTION, MEMORY_WARN_FRACTION
 from ..rank import calls as rank_calls
@@ -204,11 +203,7 @@ class WorldSupervisor:
                 places.append((rank, f"{place}; {current.describe()}", reading.waited))
             else:
                 places.append((rank, place, None))
-        if len(places) <= GROUP_ABOVE:  # a line per rank, each with its own wait
-            return "\n".join(
-                f"rank {rank}: {place}" + (f" for {waited:.1f} s" if waited is not None else "")
-                for rank, place, waited in sorted(places)
-            )
+        # the ranks in the same place share a line at every size, their waits as a range
         return "\n".join(grouped_waits(places))
 
     def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:

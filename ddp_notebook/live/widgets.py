@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from ..cell.large_output import grouped_lines
-from ..errors import GROUP_ABOVE, count_ranks, rank_list
+from ..errors import GROUP_ABOVE, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import MEMORY_WARN_FRACTION, format_bytes
 from ..wire.channel import RunState
 from .aggregate import outlier_ranks, summarize_progress, wants_aggregate
@@ -207,10 +207,7 @@ def aggregate_lines(feed: Feed) -> list[str]:
     states = Counter(state.state for state in feed.ranks.values())
     counted = ", ".join(f"{count:,} {name}" for name, count in sorted(states.items(), key=lambda item: -item[1]))
     failed = [rank for rank, state in feed.ranks.items() if state.state == "failed"]
-    lines = [
-        f"{count_ranks(len(feed.ranks))}: {counted}"
-        + (f" (failed: {rank_list(tuple(sorted(failed)))})" if failed else "")
-    ]
+    lines = [f"{count_ranks(len(feed.ranks))}: {counted}" + (f" (failed: {rank_ranges(failed)})" if failed else "")]
     for level in sorted({level for _, level in feed.bars}):
         summary = summarize_progress(feed.bars, level)
         if summary is not None:
@@ -252,7 +249,7 @@ def xray_line(feed: Feed) -> str:
     waiting = feed.waiting
     if len(waiting) > GROUP_ABOVE:  # grouped by where they are, the seconds each waited aside
         places = [(rank, where_rank_is(reading).rsplit(" for ", 1)[0]) for rank, reading in waiting.items()]
-        return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(grouped_lines(places, group_above=0))
+        return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(grouped_lines(places))
     parts = [f"rank {rank} {where_rank_is(reading)}" for rank, reading in sorted(waiting.items())]
     return f"[x-ray {format_seconds(feed.elapsed)}] " + "; ".join(parts)
 
@@ -421,7 +418,7 @@ class LiveView:
 
     def _draw_header(self, feed: Feed, final: bool) -> None:
         # a cell whose ranks sent nothing yet (shown for its X-ray): the ranks it runs on
-        ranks = rank_list(tuple(sorted(feed.ranks or feed.expected or ())))
+        ranks = name_ranks(feed.ranks or feed.expected or ()) or "ranks"
         if not final:
             state = f"running · {feed.elapsed:.1f} s"
         else:
@@ -430,7 +427,7 @@ class LiveView:
         lost = sum(rank.lost for rank in feed.ranks.values())
         warning = f" · <b>{lost} updates were lost</b>" if lost else ""
         self.header.value = (
-            f"<b>ddp_notebook</b> · ranks {ranks} · {state} · {len(feed.metrics)} points{memory_header(feed)}{warning}"
+            f"<b>ddp_notebook</b> · {ranks} · {state} · {len(feed.metrics)} points{memory_header(feed)}{warning}"
         )
 
     def _draw_bars(self, feed: Feed) -> None:

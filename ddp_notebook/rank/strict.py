@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import group_ranks, name_ranks
 from .state import RANK
 
 CHECKED = (
@@ -136,5 +137,8 @@ def _check(signature: str) -> None:
     if bool((rows == mine).all()):
         return
     said = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
-    calls = "; ".join(f"rank {rank} calls {call}" for rank, call in enumerate(said))
+    groups = group_ranks(enumerate(said))  # the ranks that call the same named once, as runs
+    calls = "; ".join(
+        f"{name_ranks(ranks)} call{'' if len(ranks) > 1 else 's'} {call}" for call, ranks in groups.items()
+    )
     raise CollectiveMismatch(f"collective mismatch caught before it ran (nothing was sent): {calls}")

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
+from ..cell import busy as busy_ranks
 from ..cell import debugging, large_output, xray
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.profiling import ProfiledCell, ProfileSettings
@@ -34,6 +35,8 @@ from ..errors import (
     RankFailure,
     StartError,
     WorldBrokenError,
+    name_deaths,
+    name_ranks,
     one_line,
 )
 from ..live import feed as live_feed
@@ -441,7 +444,10 @@ class DDPCluster:
         failures = tuple(relay.failures())
         if failures:
             self.last_failures = failures  # for debug(): the cell to look into
-        heal_note = came_back = ""
+        heal_note = came_back = busy_doing = ""
+        unfinished = relay.unfinished()
+        if unfinished and ending is not Ending.TIMEOUT:  # a timeout's report says where each rank is
+            busy_doing = busy_ranks.describe(unfinished, world.supervisor.collectives(unfinished))
         if relay.dead:
             came_back, heal_note = self._replace_dead(world, dict(relay.dead), relay.unfinished())
         elif relay.released or relay.group_broken():
@@ -461,6 +467,7 @@ class DDPCluster:
             came_back=came_back,
             mismatch=relay.mismatch,
             released_from=dict(relay.released_from),
+            busy_doing=busy_doing,
         )
         if feed is not None and not feed.finished:
             # its final drawing, where no rank's message ended it (a view shown only for the X-ray,
@@ -616,7 +623,7 @@ class DDPCluster:
             return "", f"{doing} failed: {one_line(failure)}"
         world.regrouped(done.ranks)
         self.last_comeback_seconds = done.seconds
-        ranks = ", ".join(map(str, sorted(dead)))
+        ranks = name_ranks(dead)
         if policy == "shrink":
             # the config keeps the size asked for: restart() starts the full world again
             now = len(done.ranks)
@@ -626,7 +633,7 @@ class DDPCluster:
                 else "nothing is tracked (ddp_notebook.track): the survivors keep what they had"
             )
             return (
-                f"The world went on without rank {ranks} in {done.seconds:.1f} s: {now} rank(s) now (was {size}), "
+                f"The world went on without {ranks} in {done.seconds:.1f} s: {now} rank(s) now (was {size}), "
                 f"renumbered 0-{now - 1}, the process group formed again, variables kept: {where}",
                 "",
             )
@@ -636,7 +643,8 @@ class DDPCluster:
             else "nothing is tracked (ddp_notebook.track): the new rank has what the setup cells made"
         )
         return (
-            f"Rank {ranks} came back in {done.seconds:.1f} s (a new process, {len(world.setup_cells)} setup cell(s) "
+            f"{ranks[0].upper()}{ranks[1:]} came back in {done.seconds:.1f} s (a new process, "
+            f"{len(world.setup_cells)} setup cell(s) "
             f"replayed, the process group formed again; other variables kept on the surviving ranks): {where}",
             "",
         )
@@ -662,11 +670,9 @@ class DDPCluster:
         return export.export_script(self.cell_history, path, cells, backend=self.backend, overwrite=overwrite)
 
     def _heal_after_cell(self, busy: tuple[int, ...]) -> str:
-        if busy:
+        if busy:  # what they do is said with the error (CellOutcome.busy_doing)
             return (
-                f"\nranks {_rank_list(busy)} are still blocked in a collective; they fail at the collective "
-                f"timeout ({self.config.timeout:g} s), and the next cell then sets the process group up again "
-                "(or %ddp_restart now)"
+                f"\nthe next cell sets the process group up again once {name_ranks(busy)} end ({busy_ranks.WHAT_TO_DO})"
             )
         seconds = self.heal()
         return (
@@ -692,10 +698,7 @@ class DDPCluster:
                 time.sleep(0.1)
                 busy = world.controller.busy([info for info in self.ranks if info.rank in busy])
         if busy:
-            raise DDPUsageError(
-                f"rank(s) {_rank_list(busy)} are still busy (blocked in a collective until the collective "
-                f"timeout of {self.config.timeout:g} s); wait for them, or %ddp_restart"
-            )
+            raise DDPUsageError(busy_ranks.refusal(busy, world.supervisor.collectives(tuple(busy))))
         try:
             world.client[world.engines()].apply_async(rank_calls.release_group).get(timeout=RELEASE_SECONDS)
             deadline = time.perf_counter() + self.config.start_timeout
@@ -758,7 +761,7 @@ class DDPCluster:
             self.heal()
         busy = world.controller.busy(self.ranks)
         if busy:
-            raise DDPUsageError(f"rank(s) {_rank_list(busy)} are still busy: wait for them, or interrupt them first")
+            raise DDPUsageError(busy_ranks.refusal(busy, world.supervisor.collectives(tuple(busy))))
 
     def rollback(self) -> str | None:
         """Bring every rank back to the newest snapshot of the tracked state all of them hold
@@ -820,8 +823,14 @@ class DDPCluster:
         return stragglers.find_straggler(times)
 
     def interrupt(self, ranks: Iterable[int] | str | None = None) -> None:
-        """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all)."""
-        self._require_running().supervisor.interrupt(self._select(ranks))
+        """Send KeyboardInterrupt (SIGINT) to `ranks` (default: all). `%ddp_interrupt`."""
+        self._require_running(allow_broken=True).supervisor.interrupt(self._select(ranks))
+
+    def busy_ranks(self, ranks: Iterable[int] | str | None = None) -> tuple[int, ...]:
+        """Those of `ranks` (default: all) still running a cell or a request of the world."""
+        world = self._require_running(allow_broken=True)
+        chosen = set(self._select(ranks))
+        return tuple(sorted(world.controller.busy([info for info in self.ranks if info.rank in chosen])))
 
     def _text_view(self) -> live_feed.View:
         from ..live.widgets import TextView
@@ -870,7 +879,7 @@ class DDPCluster:
             else:
                 values[rank] = reply["found"][name]
         if missing:
-            raise DDPUsageError(f"'{name}' is not defined on rank(s) {_rank_list(missing)}")
+            raise DDPUsageError(f"'{name}' is not defined on {name_ranks(missing)}")
         return values
 
     # ------------------------------------------------------------------ status
@@ -923,9 +932,9 @@ class DDPCluster:
         if self._world is None:
             raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
         if self.broken and not allow_broken:
-            ranks = ", ".join(f"rank {r} {how}" for r, how in sorted(self.broken.items()))
             raise WorldBrokenError(
-                f"the world is broken ({ranks}): %ddp_restart (or restart()) starts a full world again"
+                f"the world is broken ({name_deaths(self.broken)}): "
+                "%ddp_restart (or restart()) starts a full world again"
             )
         return self._world
 
@@ -941,11 +950,8 @@ class DDPCluster:
         chosen = tuple(sorted(set(ranks)))
         outside = [r for r in chosen if not (isinstance(r, int) and 0 <= r < size)]
         if outside:
-            raise DDPUsageError(f"rank(s) {_rank_list(outside)} do not exist: this world has ranks 0-{size - 1}")
+            exist = "do not exist" if len(outside) > 1 else "does not exist"
+            raise DDPUsageError(f"{name_ranks(outside)} {exist}: this world has ranks 0-{size - 1}")
         if not chosen:
             raise DDPUsageError("no ranks selected")
         return chosen
-
-
-def _rank_list(ranks: Iterable[int]) -> str:
-    return ", ".join(str(r) for r in ranks)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import DDPError, one_line
+from ..errors import DDPError, name_ranks, one_line
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..rank import calls as rank_calls
 from ..wire.join import Identity
@@ -198,8 +198,7 @@ def _wait_for_new_engines(
     while len(set(client.ids) - known) < len(slots):
         if time.perf_counter() > deadline:
             raise DDPError(
-                f"the new process for rank(s) {', '.join(map(str, slots))} did not register within "
-                f"{_start_timeout(provisioner):g} s"
+                f"the new process for {name_ranks(slots)} did not register within {_start_timeout(provisioner):g} s"
             )
         time.sleep(POLL_SECONDS)
     new_ids = sorted(set(client.ids) - known)
@@ -212,7 +211,7 @@ def _wait_for_new_engines(
                 engine_id, report.host, report.pid, slot=report.slot, gpus=report.gpus
             )
     if sorted(found) != slots:
-        raise DDPError(f"the new processes did not say they were rank(s) {', '.join(map(str, slots))}")
+        raise DDPError(f"the new processes did not say they were {name_ranks(slots)}")
     provisioner.learn(found.values())
     return found
 

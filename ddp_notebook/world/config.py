@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..errors import DDPUsageError
+from ..errors import DDPUsageError, name_ranks
 from ..platform import devices, limits, network
 from . import launchers, layout
 
@@ -477,7 +477,6 @@ def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
         chosen.extend(range(low, high + 1))
     outside = sorted({r for r in chosen if not 0 <= r < world_size})
     if outside:
-        raise DDPUsageError(
-            f"rank(s) {', '.join(map(str, outside))} do not exist: this world has ranks 0-{world_size - 1}"
-        )
+        exist = "do not exist" if len(outside) > 1 else "does not exist"
+        raise DDPUsageError(f"{name_ranks(outside)} {exist}: this world has ranks 0-{world_size - 1}")
     return tuple(sorted(set(chosen)))

@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..errors import DDPUsageError
+from ..errors import DDPUsageError, rank_ranges
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def listing(history: Sequence[CellRecord]) -> str:
     for cell in history:
         first = next((line for line in cell.code.splitlines() if line.strip()), "")
         state = "ok    " if cell.ok else "FAILED"
-        lines.append(f"{cell.number:>3}  {state}  ranks {','.join(map(str, cell.ranks)):<8} {first[:70]}")
+        lines.append(f"{cell.number:>3}  {state}  ranks {rank_ranges(cell.ranks):<8} {first[:70]}")
     return "\n".join(lines) or "no %%ddp cells ran in this world yet"
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..cell.output import tag_value
-from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, rank_list
+from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import format_bytes
 from ..wire.results import CellResult, MemoryReading, RankInfo, RankStatus
 from .config import is_loopback
@@ -129,7 +129,7 @@ def _summarised(rows: Sequence[RankStatus]) -> list[str]:
     counted = ", ".join(f"{count:,} {state}" for state, count in states.most_common())
     unusual = [s.rank for s in rows if s.state != "idle"]
     if unusual and len(unusual) < len(rows):
-        counted += f" (not idle: {rank_list(tuple(unusual))})"
+        counted += f" (not idle: {rank_ranges(unusual)})"
     hosts = Counter(s.host for s in rows)
     where = ", ".join(f"{host} {count:,}" for host, count in hosts.most_common(RUNS_SHOWN))
     more = f", {len(hosts) - RUNS_SHOWN:,} more hosts" if len(hosts) > RUNS_SHOWN else ""
@@ -160,7 +160,7 @@ def world_health(world: DDPCluster, rows: Sequence[RankStatus]) -> str:
     gone = [s.rank for s in rows if s.state == "gone"]
     if world.state is WorldState.BROKEN or gone:
         dead = sorted(set(world.broken) | set(gone))
-        return f"broken (rank {rank_list(tuple(dead))} gone): %ddp_restart"
+        return f"broken ({name_ranks(dead)} gone): %ddp_restart"
     if world.state is WorldState.NEEDS_HEALING:
         return "needs healing (a cell broke the process group): the next cell sets it up again"
     return str(world.state)
