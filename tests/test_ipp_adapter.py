@@ -18,7 +18,7 @@ from ddp_notebook import DDPCluster
 from ddp_notebook.world import ipp_adapter
 from ddp_notebook.world.provisioning.local import engine_set_id
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.core]
 
 
 def _client(world: DDPCluster):  # type: ignore[no-untyped-def]

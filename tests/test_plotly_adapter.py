@@ -7,8 +7,11 @@ live view that relies on it end to end (the saved state of a finished cell holds
 from __future__ import annotations
 
 import plotly.graph_objects as go
+import pytest
 
 from ddp_notebook.live import plotly_adapter
+
+pytestmark = pytest.mark.core
 
 
 def test_the_current_figure_is_kept_in_the_widget_state() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from ddp_notebook import DDPCluster
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.core]
 
 
 def test_the_flight_recorder_reads_as_data(world: DDPCluster) -> None:

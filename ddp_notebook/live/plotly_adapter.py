@@ -81,6 +81,23 @@ export default () => {
 _holder: Any = None
 
 
+def missing_features() -> list[str]:
+    """What the live view lacks with this plotly, one line each (said at %ddp_start). plotly 5's
+    FigureWidget needs a frontend extension of its own, which JupyterLab 4 has not: no plot at all."""
+    try:
+        import anywidget
+        import plotly
+        import plotly.graph_objects as go
+    except ImportError as missing:
+        return [f"the live view's plots: {missing.name} is not installed (pip install 'plotly>=6')"]
+    if not issubclass(go.FigureWidget, anywidget.AnyWidget):
+        return [
+            f"the live view's plots: plotly {plotly.__version__}'s FigureWidget needs a frontend extension "
+            "JupyterLab 4 lacks (plotly 6.0 has one that needs none: pip install 'plotly>=6')"
+        ]
+    return []
+
+
 def keep_current_figure(figure: Any) -> None:
     """Store `figure`'s data and layout as they are now in its widget state (plotly.js ignores the
     change; the saved state then shows every curve)."""

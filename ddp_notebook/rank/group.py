@@ -139,6 +139,7 @@ def init_world(spec: RankSpec) -> JoinReport:
         backend=spec.backend,
         main_thread=threading.main_thread().ident,
         xray_address=xray_address,
+        off_here=xray_rank.off_here(),
     )
 
 

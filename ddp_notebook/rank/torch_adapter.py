@@ -21,6 +21,13 @@ import torch
 import torch.distributed as dist
 
 
+def native_flight_recorder() -> bool:
+    """Whether this torch keeps a flight recorder for every backend, gloo's included, that
+    `flight_recorder` reads (torch 2.9 does; torch 2.6 has only NCCL's, under another name, and
+    none for gloo: `rank/collective_record.py` stands in for it there)."""
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+
+
 def flight_recorder(entries: bool) -> dict[str, Any]:
     """torch's flight recorder of this process as data: per group its status (`pg_status`: last
     enqueued / completed sequence numbers) and, with `entries`, the recorded collectives."""
