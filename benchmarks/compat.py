@@ -286,6 +286,25 @@ def table(results: dict[str, dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def write_docs_table(results: dict[str, dict[str, object]], record: dict[str, object]) -> None:
+    """The table of docs/compatibility.md, between its markers: every combination's latest run."""
+    page = ROOT / "docs" / "compatibility.md"
+    text = page.read_text()
+    start, end = "<!-- compat table start -->", "<!-- compat table end -->"
+    runs = sorted({f"{r['date']}: `{r['command']}`" for r in results.values()})  # type: ignore[index]
+    ordered = {name: results[name] for name in COMBINATIONS if name in results}
+    body = f"Run on Python {record['python']}, {record['machine']}; " + "; ".join(runs) + ".\n\n" + table(ordered)
+    if record.get("smoke"):
+        smoked = record["smoke"]
+        body += (
+            f"\n\nWheel smoke test ({record['date']}): quick start "
+            f"{'passed' if smoked['passed'] else 'FAILED'} in a fresh environment holding torch {smoked['torch']}, "  # type: ignore[index]
+            f"which installing the wheel kept."
+        )
+    head, rest = text.split(start, 1)
+    page.write_text(f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma-separated combination names: " + ", ".join(COMBINATIONS))
@@ -322,7 +341,13 @@ def main() -> int:
                     {"passed": 0, "failed": 1, "failures": [str(problem)[:2000]], "off_here": [], "seconds": 0},
                 )
             failed = failed or bool(core["failed"]) or not core["passed"]
-            results[name] = {"versions": versions, "prepare_seconds": round(prepared), "core": core}
+            results[name] = {
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": "python " + " ".join(["benchmarks/compat.py", *sys.argv[1:]]),
+                "versions": versions,
+                "prepare_seconds": round(prepared),
+                "core": core,
+            }
         smoked = smoke(wheel) if arguments.smoke else None
         failed = failed or (smoked is not None and not smoked["passed"])
     record = {
@@ -338,6 +363,7 @@ def main() -> int:
         merged = {**previous.get("combinations", {}), **results}  # a run of some combinations keeps the others'
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps({**record, "combinations": merged}, indent=1) + "\n")
+        write_docs_table(merged, record)
     print(table(results))
     return 1 if failed else 0
 

@@ -227,14 +227,17 @@ def test_a_world_started_to_shrink_goes_on_with_the_survivors_in_a_kernel(kernel
 @pytest.mark.core
 def test_ddp_start_names_once_what_this_torch_lacks_and_status_names_the_xrays_source(kernel: Kernel) -> None:
     """Where torch keeps no flight recorder for gloo (torch 2.6), the X-ray's collectives come from
-    the ranks' own record, which does not see DDP's gradient all-reduce: %ddp_start says so once."""
-    from ddp_notebook.rank.torch_adapter import native_flight_recorder
+    the ranks' own record, which does not see DDP's gradient all-reduce; where its fully_shard
+    cannot run on CPU, FSDP2 is off on CPU ranks: %ddp_start says each once."""
+    from ddp_notebook.rank.group import FSDP2_ON_CPU_LIMIT
+    from ddp_notebook.rank.torch_adapter import fsdp2_on_cpu, native_flight_recorder
     from ddp_notebook.wire.xray_messages import OWN_RECORD_LIMIT
 
     out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
     assert error is None, out
     said = [line.removeprefix("off here: ") for line in out.splitlines() if line.startswith("off here: ")]
-    assert said == ([] if native_flight_recorder() else [OWN_RECORD_LIMIT]), out
+    lacking = [OWN_RECORD_LIMIT] if not native_flight_recorder() else []
+    assert said == lacking + ([] if fsdp2_on_cpu() else [FSDP2_ON_CPU_LIMIT]), out
     out, error = kernel.run("%ddp_start 2 --restart")
     assert error is None and "DDP world ready: 2 ranks" in out and "off here:" not in out, out
     kernel.run("%%ddp\ndist.all_reduce(torch.ones(3))")

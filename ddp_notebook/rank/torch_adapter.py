@@ -28,6 +28,12 @@ def native_flight_recorder() -> bool:
     return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
 
 
+def fsdp2_on_cpu() -> bool:
+    """Whether FSDP2's `fully_shard` runs on CPU tensors here: it records events on the current
+    stream, which torch 2.6's CPU stream cannot (torch 2.9's can)."""
+    return hasattr(torch.cpu.Stream, "record_event")
+
+
 def flight_recorder(entries: bool) -> dict[str, Any]:
     """torch's flight recorder of this process as data: per group its status (`pg_status`: last
     enqueued / completed sequence numbers) and, with `entries`, the recorded collectives."""
