@@ -263,6 +263,7 @@ def smoke(wheel: Path) -> dict[str, object]:
     if not ok:
         print(output[-4000:])
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "passed": ok,
         "torch": torch_after,
         "install_seconds": round(installing),
@@ -280,6 +281,7 @@ def table(results: dict[str, dict[str, object]]) -> str:
         versions = result["versions"]  # type: ignore[index]
         core = result["core"]  # type: ignore[index]
         outcome = f"{core['passed']} passed" + (f", **{core['failed']} failed**" if core["failed"] else "")  # type: ignore[index]
+        outcome += f", {core['skipped']} skipped" if core.get("skipped") else ""  # type: ignore[union-attr]
         off = "; ".join(line.split(":")[0] for line in core["off_here"]) or "nothing"  # type: ignore[index, arg-type]
         lines.append(f"| {name} | " + " | ".join(versions.get(n, "?") for n in names) + f" | {outcome} | {off} |")  # type: ignore[union-attr]
     return "\n".join(lines)
@@ -290,15 +292,22 @@ def write_docs_table(results: dict[str, dict[str, object]], record: dict[str, ob
     page = ROOT / "docs" / "compatibility.md"
     text = page.read_text()
     start, end = "<!-- compat table start -->", "<!-- compat table end -->"
-    runs = sorted({f"{r['date']}: `{r['command']}`" for r in results.values()})  # type: ignore[index]
+    dates: dict[str, list[str]] = {}
+    for result in results.values():
+        dates.setdefault(str(result["command"]), []).append(str(result["date"]))
+    runs = [
+        f"`{command}` ({min(when)}{'' if min(when) == max(when) else ' to ' + max(when)})"
+        for command, when in dates.items()
+    ]
     ordered = {name: results[name] for name in COMBINATIONS if name in results}
-    body = f"Run on Python {record['python']}, {record['machine']}; " + "; ".join(runs) + ".\n\n" + table(ordered)
+    body = f"Run on Python {record['python']}, {record['machine']}: " + "; ".join(runs) + ".\n\n" + table(ordered)
     if record.get("smoke"):
         smoked = record["smoke"]
         body += (
-            f"\n\nWheel smoke test ({record['date']}): quick start "
+            f"\n\nWheel smoke test ({smoked['date']}): quick start "  # type: ignore[index]
             f"{'passed' if smoked['passed'] else 'FAILED'} in a fresh environment holding torch {smoked['torch']}, "  # type: ignore[index]
-            f"which installing the wheel kept."
+            f"which installing the wheel kept ({smoked['install_seconds']} s installing, "  # type: ignore[index]
+            f"{smoked['seconds']} s running)."  # type: ignore[index]
         )
     head, rest = text.split(start, 1)
     page.write_text(f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}")
@@ -360,6 +369,7 @@ def main() -> int:
     if not arguments.no_write:
         previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         merged = {**previous.get("combinations", {}), **results}  # a run of some combinations keeps the others'
+        record["smoke"] = record["smoke"] or previous.get("smoke")  # and the last smoke test's
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps({**record, "combinations": merged}, indent=1) + "\n")
         write_docs_table(merged, record)
