@@ -1,6 +1,6 @@
 """Each use of plotly's private internals (ddp_notebook.live.plotly_adapter), on a real FigureWidget.
 
-plotly is bounded in pyproject.toml to the versions these tests pass on; test_widgets checks the
+benchmarks/compat.py runs them on every plotly of the supported range (docs/compatibility.md); test_widgets checks the
 live view that relies on it end to end (the saved state of a finished cell holds every curve).
 """
 
