@@ -40,7 +40,7 @@ HOME = Path(os.environ.get("DDP_NOTEBOOK_COMPAT_DIR", Path.home() / ".cache" / "
 OLD_JUPYTER = {
     "ipykernel": "6.29.5",
     "ipyparallel": "8.8.0",
-    "ipython": "8.18.1",
+    "ipython": "8.12.3",
     "plotly": "6.0.1",
     "ipywidgets": "8.0.7",
     "anywidget": "0.9.0",
@@ -70,12 +70,13 @@ COMBINATIONS: dict[str, dict[str, str]] = {
     "old-jupyter-new-torch": {"torch": "2.15.0", **OLD_JUPYTER},
     "new-jupyter-old-torch": {"torch": "2.6.0", **NEW_JUPYTER},
     "middle": {"torch": "2.9.1", **MIDDLE_JUPYTER},
-    # what .ci/install gives the main suite (torch's CPU build, from this machine's wheel folder)
+    # what .ci/install gives the main suite (torch's CPU build, from this machine's wheel folder; the
+    # IPython the machine came with, which the range keeps)
     "ci": {
         "torch": "2.13.0",
         "ipykernel": "7.4.0",
         "ipyparallel": "9.2.0",
-        "ipython": "9.18.1",
+        "ipython": "8.12.3",
         "plotly": "7.1.0",
         "ipywidgets": "8.1.9",
         "numpy": "2.4.6",
