@@ -14,7 +14,9 @@
 # $GPU_SUITE_RANKS caps the ranks of the benchmark (default: every GPU); $GPU_SUITE_BENCH_ARGS adds
 # options to it (e.g. "--repeats 5 --steps 300"); $GPU_SUITE_TEST_SECONDS and
 # $GPU_SUITE_BENCH_SECONDS bound each step (default: 1800 and 1200). $PYTHON picks the
-# interpreter. Where torch sees no GPU the tests skip with their reason and nothing is written.
+# interpreter; the package is installed into it first (`pip install -e .[test-core]`, the machine's
+# torch held by a constraint; GPU_SUITE_INSTALL=0 skips that). Where torch sees no GPU the tests
+# skip with their reason and nothing is written.
 # `--report-only` writes the results file again from the raw outputs already there.
 # Exits non-zero if a test or the benchmark failed.
 set -uo pipefail
@@ -165,6 +167,20 @@ if [ "${1:-}" = "--report-only" ]; then
     [ -f "$OUT/status" ] && read -r began tests_status bench_status N <"$OUT/status"
     write_report "$began" "$tests_status" "$bench_status" "$N"
     exit $?
+fi
+
+# the package and what its tests need, against the torch this machine has: a constraint holds that
+# torch where it is (pip refuses, rather than replaces, a torch outside pyproject.toml's range);
+# GPU_SUITE_INSTALL=0 skips this (everything already installed)
+if [ "${GPU_SUITE_INSTALL:-1}" != "0" ]; then
+    machine_torch="$(python -c 'import torch; print(torch.__version__)')" || {
+        echo "no torch here: install the CUDA build of torch this machine's driver takes first" >&2
+        exit 2
+    }
+    printf 'torch==%s\n' "$machine_torch" >"$OUT/torch-constraint.txt"
+    echo "== pip install -e .[test-core] against torch $machine_torch"
+    PIP_CONSTRAINT="$OUT/torch-constraint.txt" timeout 1200 \
+        python -m pip install --quiet --disable-pip-version-check -e ".[test-core]" || exit 2
 fi
 
 rm -rf "$OUT/figures"

@@ -24,7 +24,7 @@ from .errors import DDPUsageError, InsecureNetworkWarning, name_ranks
 from .live import trackers
 from .live.feed import Feed, Metrics, Recorder
 from .wire.results import CellResult
-from .world import config, export, launchers, spare
+from .world import capabilities, config, export, launchers, spare
 from .world.cluster import DDPCluster
 from .world.config import WorldConfig
 from .world.report import format_start_summary, format_status, format_values
@@ -125,6 +125,8 @@ def _start_and_summarize(world: DDPCluster, start: Callable[[], object]) -> None
     print(
         format_start_summary(world, [str(w.message) for w in caught if issubclass(w.category, InsecureNetworkWarning)])
     )
+    for line in capabilities.not_yet_said(world.missing_features):
+        print(f"off here: {line}")
 
 
 def _check_backend(backend: str) -> None:
@@ -522,7 +524,8 @@ class DDPMagics(Magics):
         print(format_status(world, world.status(), world.memory()))
         readings = world.collectives()
         if readings:
-            print("inside the ranks (collectives: torch's flight recorder; steps: prepare_model / prepare_loader):")
+            source = capabilities.collectives_source(world.ranks)
+            print(f"inside the ranks (collectives: {source}; steps: prepare_model / prepare_loader):")
             print(xray.describe_world(readings))
 
     @line_magic

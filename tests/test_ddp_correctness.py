@@ -39,6 +39,7 @@ def train_single_process(steps: int, global_batch: int) -> dict[str, torch.Tenso
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.core
 def test_ddp_matches_one_process_on_the_combined_batch(world: DDPCluster) -> None:
     world.push({"MODEL_CODE": MODEL_CODE, "STEPS": STEPS, "BATCH": BATCH_PER_RANK, "LR": LR})
     world.execute(

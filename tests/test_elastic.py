@@ -125,7 +125,7 @@ def _everyone(world: DDPCluster, value: object) -> dict[int, object]:
 # (world size, the rank killed mid-epoch): the middle or the last; rank 0 is killed after
 COMEBACKS = [
     pytest.param(2, 1, id="2ranks-last"),
-    pytest.param(3, 1, id="3ranks-middle"),
+    pytest.param(3, 1, id="3ranks-middle", marks=pytest.mark.core),
     pytest.param(4, 3, id="4ranks-last"),
 ]
 SHARDED_COMEBACKS = [

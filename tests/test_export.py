@@ -59,6 +59,7 @@ def test_a_cell_with_ipython_syntax_is_refused_in_one_line(tmp_path: Path) -> No
 
 
 @pytest.mark.integration
+@pytest.mark.core
 def test_an_exported_script_under_torchrun_ends_like_the_cells(world: DDPCluster, tmp_path: Path) -> None:
     first = len(world.cell_history) + 1
     cells_out = tmp_path / "cells.pt"

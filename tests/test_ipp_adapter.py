@@ -1,7 +1,8 @@
 """Each use of ipyparallel's private internals (ddp_notebook.world.ipp_adapter), and of ipykernel's on
 a rank's side (ddp_notebook.rank.ipykernel_adapter), on real clusters.
 
-ipyparallel and ipykernel are bounded in pyproject.toml to the versions these tests pass on.
+benchmarks/compat.py runs them on every ipyparallel and ipykernel of the supported ranges
+(docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ddp_notebook import DDPCluster
 from ddp_notebook.world import ipp_adapter
 from ddp_notebook.world.provisioning.local import engine_set_id
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.core]
 
 
 def _client(world: DDPCluster):  # type: ignore[no-untyped-def]

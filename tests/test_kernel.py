@@ -116,7 +116,8 @@ def kernel_world_pids(kernel: Kernel) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-SIZES = [pytest.param(size, id=f"{size}ranks") for size in (2, 3, 4)]
+# 3 ranks in the core subset (benchmarks/compat.py): a middle rank, and more than a pair
+SIZES = [pytest.param(size, id=f"{size}ranks", marks=[pytest.mark.core] if size == 3 else []) for size in (2, 3, 4)]
 
 
 def _outs(out: str, values: dict[int, object]) -> bool:
@@ -236,6 +237,29 @@ def test_a_world_started_to_shrink_goes_on_with_the_survivors_in_a_kernel(kernel
     new = kernel_world_pids(kernel)
     kernel.run("%ddp_stop")
     assert wait_gone(sorted(set(old) | set(new))) == []
+
+
+@pytest.mark.core
+def test_ddp_start_names_once_what_this_torch_lacks_and_status_names_the_xrays_source(kernel: Kernel) -> None:
+    """Where torch keeps no flight recorder for gloo (torch 2.6), the X-ray's collectives come from
+    the ranks' own record, which does not see DDP's gradient all-reduce; where its fully_shard
+    cannot run on CPU, FSDP2 is off on CPU ranks: %ddp_start says each once."""
+    from ddp_notebook.rank.group import FSDP2_ON_CPU_LIMIT
+    from ddp_notebook.rank.torch_adapter import fsdp2_on_cpu, native_flight_recorder
+    from ddp_notebook.wire.xray_messages import OWN_RECORD_LIMIT
+
+    out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2")
+    assert error is None, out
+    said = [line.removeprefix("off here: ") for line in out.splitlines() if line.startswith("off here: ")]
+    lacking = [OWN_RECORD_LIMIT] if not native_flight_recorder() else []
+    assert said == lacking + ([] if fsdp2_on_cpu() else [FSDP2_ON_CPU_LIMIT]), out
+    out, error = kernel.run("%ddp_start 2 --restart")
+    assert error is None and "DDP world ready: 2 ranks" in out and "off here:" not in out, out
+    kernel.run("%%ddp\ndist.all_reduce(torch.ones(3))")
+    out, error = kernel.run("%ddp_status")
+    source = "torch's flight recorder" if native_flight_recorder() else "each rank's record of its torch.distributed"
+    assert error is None and f"collectives: {source}" in out and "all_reduce" in out, out
+    kernel.run("%ddp_stop")
 
 
 WORKERS_UP = (

@@ -100,6 +100,7 @@ def test_loading_twice_is_harmless(shell: object) -> None:
     del magics
 
 
+@pytest.mark.core
 def test_a_session_from_start_to_stop(shell: object, capsys: pytest.CaptureFixture[str]) -> None:
     result = run(shell, "%ddp_start 2 --max-restarts 1")
     assert result.success, result.error_in_exec  # type: ignore[attr-defined]

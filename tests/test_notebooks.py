@@ -323,7 +323,14 @@ def check_profiling(notebook: nbformat.NotebookNode, text: str, folder: Path) ->
     assert f"run '{run.name}': 20 losses, first {losses[0]:.3f}, last {losses[-1]:.3f}" in text
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# in the core subset (benchmarks/compat.py): the quick start, the live view, the failures tour
+CORE_NOTEBOOKS = {"01_quickstart.ipynb", "02_live_metrics.ipynb", "03_failures_and_recovery.ipynb"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, id=p.name, marks=[pytest.mark.core] if p.name in CORE_NOTEBOOKS else []) for p in NOTEBOOKS],
+)
 def test_notebook_runs(path: Path, executed_notebooks: ExecutedNotebooks) -> None:
     # executed once per session, shared with the docs site's build (tests/conftest.py)
     run = executed_notebooks.get(path)

@@ -1,14 +1,17 @@
 """Each use of plotly's private internals (ddp_notebook.live.plotly_adapter), on a real FigureWidget.
 
-plotly is bounded in pyproject.toml to the versions these tests pass on; test_widgets checks the
+benchmarks/compat.py runs them on every plotly of the supported range (docs/compatibility.md); test_widgets checks the
 live view that relies on it end to end (the saved state of a finished cell holds every curve).
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
+import pytest
 
 from ddp_notebook.live import plotly_adapter
+
+pytestmark = pytest.mark.core
 
 
 def test_the_current_figure_is_kept_in_the_widget_state() -> None:

@@ -139,6 +139,7 @@ def test_an_idle_stretch_is_named_by_the_part_of_the_step_that_follows_it() -> N
 
 
 @pytest.mark.integration
+@pytest.mark.core
 def test_a_profiled_cell_gives_every_ranks_lanes_traces_and_the_straggler(
     world: DDPCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

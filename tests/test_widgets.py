@@ -74,6 +74,7 @@ def bytes_sent(comms: list[RecordingComm]) -> int:
     )
 
 
+@pytest.mark.core
 def test_a_cell_after_the_first_sends_kilobytes_not_plotly_js_again(
     comms: list[RecordingComm], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,6 +96,7 @@ def test_a_cell_after_the_first_sends_kilobytes_not_plotly_js_again(
     assert max(sent[1:]) < 100_000, sent
 
 
+@pytest.mark.core
 def test_live_view_reaches_the_frontend_complete(comms: list[RecordingComm]) -> None:
     clock = Clock()
     view = LiveView()

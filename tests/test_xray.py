@@ -261,11 +261,47 @@ MISMATCHES = {
 }
 
 
+# a torch whose gloo keeps no flight recorder (2.6), on any torch: its detection answers no, as there
+OWN_RECORD = (
+    "from ddp_notebook.rank import collective_record, torch_adapter\n"
+    "from ddp_notebook.rank.state import RANK\n"
+    "torch_adapter.native_flight_recorder = lambda: False\n"
+    "RANK.xray.own_record = True\n"
+    "collective_record.start()\n"
+)
+
+
+@pytest.fixture(scope="module")
+def world3_own_record() -> Iterator[DDPCluster]:
+    """3 ranks whose X-ray reads their own record of the collectives they enter (`rank.collective_record`)."""
+    worlds = shared_world(3)
+    world = next(worlds)
+    world.execute(OWN_RECORD)
+    yield world
+    worlds.close()
+
+
 @pytest.mark.integration
+@pytest.mark.core
 @pytest.mark.parametrize("kind", list(MISMATCHES))
 def test_a_mismatch_ends_the_cell_within_5_s_naming_ranks_and_lines_and_keeps_state(
     world3: DDPCluster, kind: str
 ) -> None:
+    _mismatch_is_named(world3, kind)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_a_mismatch_is_named_from_the_ranks_own_record_where_torch_keeps_no_flight_recorder(
+    world3_own_record: DDPCluster, kind: str
+) -> None:
+    _mismatch_is_named(world3_own_record, kind)
+    # the heal made a new group: the ranks still read their own record, numbered afresh
+    world3_own_record.execute("own = RANK.xray.own_record")
+    assert world3_own_record.pull("own") == {0: True, 1: True, 2: True}
+
+
+def _mismatch_is_named(world3: DDPCluster, kind: str) -> None:
     code, summary, expected = MISMATCHES[kind]
     world3.execute("kept = rank * 10\ndist.all_reduce(torch.ones(1))")
     # sequence numbers from here on (a heal starts a new group, whose own set-up may count some)

@@ -11,8 +11,8 @@ whose `_esm` is a few hundred bytes: it imports plotly's own widget code from on
 kernel that holds it (sent once, and imported by the page as soon as it arrives: `plotly_code()`
 between cells spares the first live view that wait), and hands plotly's widget the same model and
 element.
-Exercised by `tests/test_plotly_adapter.py` (and the browser test that draws a live view);
-`pyproject.toml` bounds plotly to the versions they cover.
+Exercised by `tests/test_plotly_adapter.py` (and the browser test that draws a live view), which
+`benchmarks/compat.py` runs on every plotly of the range `pyproject.toml` declares (6.0 to 7.x).
 """
 
 from __future__ import annotations
@@ -79,6 +79,23 @@ export default () => {
 )
 
 _holder: Any = None
+
+
+def missing_features() -> list[str]:
+    """What the live view lacks with this plotly, one line each (said at %ddp_start). plotly 5's
+    FigureWidget needs a frontend extension of its own, which JupyterLab 4 has not: no plot at all."""
+    try:
+        import anywidget
+        import plotly
+        import plotly.graph_objects as go
+    except ImportError as missing:
+        return [f"the live view's plots: {missing.name} is not installed (pip install 'plotly>=6')"]
+    if not issubclass(go.FigureWidget, anywidget.AnyWidget):
+        return [
+            f"the live view's plots: plotly {plotly.__version__}'s FigureWidget needs a frontend extension "
+            "JupyterLab 4 lacks (plotly 6.0 has one that needs none: pip install 'plotly>=6')"
+        ]
+    return []
 
 
 def keep_current_figure(figure: Any) -> None:

@@ -139,7 +139,22 @@ def init_world(spec: RankSpec) -> JoinReport:
         backend=spec.backend,
         main_thread=threading.main_thread().ident,
         xray_address=xray_address,
+        off_here=_off_here(device),
     )
+
+
+# said at %ddp_start where a CPU rank's torch cannot run FSDP2
+FSDP2_ON_CPU_LIMIT = (
+    "FSDP2 (fully_shard) on CPU ranks: this torch's fully_shard needs a GPU stream (torch 2.9 runs it on CPU)"
+)
+
+
+def _off_here(device: torch.device) -> tuple[str, ...]:
+    """What this rank's torch lacks, one line each (`world.capabilities` says them once)."""
+    lines = list(xray_rank.off_here())
+    if device.type == "cpu" and not torch_adapter.fsdp2_on_cpu():
+        lines.append(FSDP2_ON_CPU_LIMIT)
+    return tuple(lines)
 
 
 def _elastic_env(rank: int, world_size: int, local_world_size: int) -> dict[str, str]:

@@ -10,6 +10,7 @@ import it, and it imports none of them.
 from __future__ import annotations
 
 import socket
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,10 +113,23 @@ class XrayServer:
     sockets_before: frozenset[tuple[int, int]] = frozenset()  # (fd, inode) open before the group
     group_made_ns: int = 0  # when the current default group was made (flight recorder clock)
     default_pg_id: Any = None  # the flight recorder's id of the current default group
+    own_record: bool = False  # no flight recorder in this torch: the rank's own record (`collective_record`)
     pending: tuple[int, float] | None = None  # a collective seen starting: (its count, when)
     # the last light reading of the recorder, reused until its cost is paid back (`xray.READ_SHARE`)
     light: tuple[Any, float] | None = None  # ((entries, last done), when it may be read again)
     watchers: list[socket.socket] = field(default_factory=list)  # held open for the notebook (`watch`)
+
+
+@dataclass
+class CollectiveRecord:
+    """The rank's own record of the collectives it entered (`collective_record`), where torch keeps
+    no flight recorder for its backend."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    entries: deque[Any] = field(default_factory=lambda: deque(maxlen=32))  # xray_messages.CollectiveEntry
+    entered: int = 0  # sequence number of the last collective entered on the current default group
+    on: bool = False
+    installed: bool = False  # torch.distributed's entry points wrapped (once per process)
 
 
 @dataclass
@@ -157,6 +171,7 @@ class RankState:
     tracked: Tracked = field(default_factory=Tracked)
     strict: StrictChecks = field(default_factory=StrictChecks)
     xray: XrayServer = field(default_factory=XrayServer)
+    collectives: CollectiveRecord = field(default_factory=CollectiveRecord)
     step_hooks: StepHooks = field(default_factory=StepHooks)
     user_files: UserFiles = field(default_factory=UserFiles)
     profiling: Profiling | None = None  # only while a %%ddp --profile cell runs

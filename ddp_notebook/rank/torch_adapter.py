@@ -4,8 +4,10 @@ torch offers no public way to do these few things: read the flight recorder as d
 DDP model or an FSDP2 model onto another process group, make a one-rank gloo group without a
 store rendezvous, give a rebuilt FSDP2 module's state to the user's object. Each function is
 exercised by `tests/test_torch_adapter.py` (and the heal, comeback and X-ray tests that rely on
-it), and `pyproject.toml` bounds torch to the versions those tests cover: a torch that moves
-one of these fails there first. Runs on ranks; imported only where torch already is.
+it), which `benchmarks/compat.py` runs on every torch of the range `pyproject.toml` declares
+(2.6 to the newest): a torch that moves one of these fails there first. What a release lacks is
+found by feature here (`native_flight_recorder`, `fsdp2_on_cpu`), never by its version string.
+Runs on ranks; imported only where torch already is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def native_flight_recorder() -> bool:
+    """Whether this torch keeps a flight recorder for every backend, gloo's included, that
+    `flight_recorder` reads (torch 2.9 does; torch 2.6 has only NCCL's, under another name, and
+    none for gloo: `rank/collective_record.py` stands in for it there)."""
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+
+
+def fsdp2_on_cpu() -> bool:
+    """Whether FSDP2's `fully_shard` runs on CPU tensors here: it records events on the current
+    stream, which torch 2.6's CPU stream cannot (torch 2.9's can)."""
+    return hasattr(torch.cpu.Stream, "record_event")
 
 
 def flight_recorder(entries: bool) -> dict[str, Any]:

@@ -7,7 +7,9 @@ rank's address toward the notebook, every line signed with the world's key (`wir
 answers these requests, one JSON line each, in the shapes of `wire/xray_messages.py`:
 
 - `report`: torch's flight recorder entries of the default group (op, sequence number, shapes,
-  retired or not), the main thread's current cell line, and whether it is in a cell at all;
+  retired or not; where this torch keeps no flight recorder for the backend, the rank's own record
+  of the collectives it entered, `collective_record`), the main thread's current cell line, and
+  whether it is in a cell at all;
 - `release`: shut down the TCP connections the process group opened, so the collective the
   main thread waits in fails at once ("Connection closed by peer") and the process lives on.
   `ProcessGroup.abort()` returns on gloo in torch 2.13 but leaves the waiting collective
@@ -50,12 +52,25 @@ _DEFAULT_GROUP = "default_pg"
 
 
 def before_group() -> None:
-    """Call right before the process group is made: turn the flight recorder on, note open sockets."""
+    """Call right before the process group is made: turn the flight recorder on (or, where this
+    torch has none, the rank's own record), note open sockets."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_SIZE)
+    from . import torch_adapter
+
+    RANK.xray.own_record = not torch_adapter.native_flight_recorder()
+    if RANK.xray.own_record:
+        from . import collective_record
+
+        collective_record.start()
     RANK.xray.sockets_before = frozenset(_open_sockets().items())
     # the recorder outlives groups: entries older than this belong to a group a heal replaced
     RANK.xray.group_made_ns = time.time_ns()
     RANK.xray.default_pg_id = RANK.xray.pending = RANK.xray.light = None
+
+
+def off_here() -> tuple[str, ...]:
+    """What this rank's X-ray cannot see, one line each (said at %ddp_start)."""
+    return (messages.OWN_RECORD_LIMIT,) if RANK.xray.own_record else ()
 
 
 def serve(directory: str, rank: int) -> None:
@@ -255,6 +270,10 @@ def _strict_check(entries: list[messages.CollectiveEntry], last_done: int) -> me
 
 def _default_group_progress() -> tuple[int, int] | None:
     """(last enqueued, last finished) sequence numbers of the default group, from the recorder's status."""
+    if RANK.xray.own_record:
+        from .collective_record import progress
+
+        return progress()
     group = RANK.xray.default_pg_id
     if group is None:
         return None
@@ -285,6 +304,10 @@ def _memory() -> dict[str, int]:
 
 
 def _flight_recorder_entries() -> list[messages.CollectiveEntry]:
+    if RANK.xray.own_record:
+        from .collective_record import entries
+
+        return entries(REPORTED_HISTORY)
     try:
         import torch.distributed as dist
 

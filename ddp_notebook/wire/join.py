@@ -65,3 +65,5 @@ class JoinReport:
     backend: str
     main_thread: int | None
     xray_address: tuple[str, int] | None = None  # where a rank on another host answers X-ray requests
+    # what this rank's releases (torch) lack, one line each: %ddp_start says it (`world.capabilities`)
+    off_here: tuple[str, ...] = ()

@@ -34,6 +34,7 @@ class RankInfo:
     local_world_size: int = 1
     group_rank: int = 0
     xray_address: tuple[str, int] | None = None  # a rank on another host: its X-ray's TCP address
+    off_here: tuple[str, ...] = ()  # what its releases lack, one line each (`world.capabilities`)
 
 
 @dataclass(frozen=True)

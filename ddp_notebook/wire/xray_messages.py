@@ -18,6 +18,13 @@ from .channel import StepsMessage
 
 XRAY_VERSION = 1
 
+# what a rank says at the start where its torch keeps no flight recorder for its backend (torch 2.6's
+# gloo) and its own record of the collectives it enters stands in (`rank.collective_record`)
+OWN_RECORD_LIMIT = (
+    "the X-ray sees only the collectives cells call through torch.distributed, not DDP's gradient "
+    "all-reduce: this torch's gloo keeps no flight recorder (torch 2.9 has one)"
+)
+
 
 # ---------------------------------------------------------------- requests
 

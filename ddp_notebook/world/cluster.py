@@ -184,6 +184,13 @@ class DDPCluster:
         return tuple(current[r] for r in sorted(current))
 
     @property
+    def missing_features(self) -> list[str]:
+        """What this kernel's and the ranks' releases lack, one line each (`world.capabilities`)."""
+        from . import capabilities
+
+        return capabilities.missing_features(self.ranks)
+
+    @property
     def hosts(self) -> tuple[str, ...]:
         """The hosts the ranks run on, in rank order."""
         return tuple(dict.fromkeys(info.host for info in self.ranks))

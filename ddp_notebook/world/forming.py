@@ -177,6 +177,7 @@ def join_process_group(
             gpu=placement.gpu,
             main_thread=joined.main_thread,
             xray_address=joined.xray_address,
+            off_here=joined.off_here,
             local_rank=placement.local_rank,
             local_world_size=placement.local_world_size,
             group_rank=placement.group_rank,

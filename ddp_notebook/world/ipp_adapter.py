@@ -1,9 +1,9 @@
 """Every use of ipyparallel's private internals, in one place.
 
 ipyparallel offers no public way to do these few things, so they reach into its objects.
-Each function is exercised by `tests/test_ipp_adapter.py`, and `pyproject.toml` bounds
-ipyparallel to the versions those tests cover: a new ipyparallel that moves one of these
-fails there first.
+Each function is exercised by `tests/test_ipp_adapter.py`, which `benchmarks/compat.py` runs on
+every ipyparallel of the range `pyproject.toml` declares (8.8 to 9.x): a new ipyparallel that
+moves one of these fails there first.
 """
 
 from __future__ import annotations
