@@ -256,7 +256,7 @@ MISMATCHES = {
     "skipped, others finished": (
         "if rank == 0:\n    dist.all_reduce(torch.ones(2))\n",
         "finished the cell without a collective",
-        {0: "all_reduce #{1} [2], cell line 2", 1: "rank 1 finished the cell after collective #{0}: it never ran #{1}"},
+        {0: "all_reduce #{1} [2], cell line 2", 1: "ranks 1-2 finished the cell after collective #{0}: they never ran #{1}"},
     ),
 }
 
@@ -472,7 +472,7 @@ def test_in_strict_mode_a_rank_waiting_in_its_check_for_a_skipped_collective_is_
         text = "\n".join(caught.value._render_traceback_())
         assert "finished the cell without a collective" in caught.value.mismatch.summary
         assert f"rank 0 waits in all_reduce #{seq} [2], cell line 2" in text
-        assert f"rank 1 finished the cell after collective #{seq - 1}: it never ran #{seq}" in text
+        assert f"ranks 1-2 finished the cell after collective #{seq - 1}: they never ran #{seq}" in text
         assert world3.state == "healthy" and world3.pull("kept") == {0: 1, 1: 2, 2: 3}
         # still strict on the new group: a checked all-reduce works, a mismatched one is caught
         world3.execute("y = torch.ones(1)\ndist.all_reduce(y)")
