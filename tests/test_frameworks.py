@@ -332,7 +332,7 @@ def test_ddp_export_in_a_kernel_writes_a_script_that_ends_like_the_cells(
         assert error is None, out
     out, error = framework_kernel.run("%ddp_export --list")
     assert error is None, out
-    listed = re.findall(r"^\s*(\d+)  ok      ranks 0,1\s+(.*)$", out, re.MULTILINE)
+    listed = re.findall(r"^\s*(\d+)  ok      ranks 0-1\s+(.*)$", out, re.MULTILINE)
     ours = [number for number, first in listed if first.startswith(("torch.manual_seed(0)", "for x, y in export_"))]
     ours += [number for number, first in listed if first.startswith("ddp_notebook.save_checkpoint(export_model")]
     assert len(ours) == 3, out

@@ -178,7 +178,7 @@ def test_a_lost_controller_ends_the_cell_within_seconds(tmp_path: Path) -> None:
         with world:
             controller_pid = elsewhere.controller.pid
             began = time.monotonic()
-            with pytest.raises(RankDiedError, match=r"rank 0 cannot be reached: the controller did not answer"):
+            with pytest.raises(RankDiedError, match=r"ranks 0-1 cannot be reached: the controller did not answer"):
                 world.execute(
                     # the controller and the helpers it forked (its process group) go at once
                     "import os, signal, time\n"

@@ -256,7 +256,10 @@ MISMATCHES = {
     "skipped, others finished": (
         "if rank == 0:\n    dist.all_reduce(torch.ones(2))\n",
         "finished the cell without a collective",
-        {0: "all_reduce #{1} [2], cell line 2", 1: "ranks 1-2 finished the cell after collective #{0}: they never ran #{1}"},
+        {
+            0: "all_reduce #{1} [2], cell line 2",
+            1: "ranks 1-2 finished the cell after collective #{0}: they never ran #{1}",
+        },
     ),
 }
 
