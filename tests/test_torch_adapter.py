@@ -206,3 +206,27 @@ def test_torchs_own_distributed_errors_break_the_group_by_type() -> None:
     assert breaks_group(dist.DistBackendError("NCCL communicator was aborted"))
     assert breaks_group(dist.DistNetworkError("anything at all"))  # the type decides, not the words
     assert not breaks_group(KeyError("nccl"))  # neither a RuntimeError nor torch's: the user's
+
+
+def test_a_whole_checkpoint_is_written_and_read_from_one_rank_of_a_running_world(
+    world: DDPCluster, tmp_path: Path
+) -> None:
+    # inside a group (where DCP would otherwise make every rank take part), from rank 0 alone
+    folder = tmp_path / "ckpt"
+    world.execute(
+        "from pathlib import Path\n"
+        "from ddp_notebook.rank import persisting, torch_adapter\n"
+        "written = {'w': torch.arange(4.0), 'structure': persisting._Structure({'opt': {0: (1, 'a')}}, {})}\n"
+        "if rank == 0:\n"
+        f"    torch_adapter.save_whole_checkpoint(written, Path({str(folder)!r}))\n"
+        "dist.barrier()\n"
+        "fmt = torch_adapter.checkpoint_format()\n"
+        f"back = torch_adapter.read_whole_checkpoint(Path({str(folder)!r}), fmt)\n"
+        "same = torch.equal(back['w'], written['w']) and back['structure'] == written['structure']",
+        stream=False,
+    )
+    assert world.pull("same") == {0: True, 1: True}
+    fmt = world.pull("fmt")[0]
+    # torch.distributed.checkpoint's own files, or (torch 2.6: it saves from one process only with
+    # every rank taking part) one torch.save file
+    assert (folder / ".metadata").is_file() if fmt == "dcp" else (folder / "state.pt").is_file()

@@ -149,6 +149,30 @@ def take_snapshot(where: str) -> int | None:
     return int(elastic.snapshot(where))
 
 
+def resume_from_disk(folder: str) -> str:
+    """Every rank at once: the newest whole snapshot written to `folder` loads; says which it was."""
+    from ddp_notebook.rank import elastic
+
+    return elastic.resume(folder)
+
+
+def persist_wait(timeout: float) -> dict[str, Any]:
+    """Wait for this rank's snapshot writer to be idle; what it wrote, skipped and last failed with."""
+    from ddp_notebook.rank.state import RANK
+
+    writer = RANK.tracked.writer
+    if writer is None:
+        return {"idle": True, "written": [], "skipped": 0, "refused": 0, "error": None}
+    idle = writer.wait(timeout)
+    return {
+        "idle": idle,
+        "written": list(writer.written),
+        "skipped": writer.skipped,
+        "refused": writer.refused,
+        "error": writer.last_error,
+    }
+
+
 def restore_snapshot(seq: int, source: int) -> str:
     """Every rank at once: load snapshot `seq` as rank `source` sends it; says where it was taken."""
     from ddp_notebook.rank import elastic

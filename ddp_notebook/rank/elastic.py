@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from ..wire.join import RankSpec
 from . import channel, helpers, membership, torch_adapter
-from .state import DEFAULT_SNAPSHOT_EVERY, RANK
+from .state import DEFAULT_PERSIST_EVERY, DEFAULT_SNAPSHOT_EVERY, RANK
 
 if TYPE_CHECKING:
     from .tracked_loaders import TrackedDataLoader
@@ -58,11 +61,18 @@ class Snapshot:
 
 
 _NAMESPACE = object()
+CELL_END = "the end of a cell"
 # where a new rank's group of its own meets while it replays the setup cells
 LOOPBACK = "127.0.0.1"
 
 
-def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> None:
+def track(
+    *,
+    snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+    persist: str | os.PathLike[str] | bool | None = None,
+    persist_every: int = DEFAULT_PERSIST_EVERY,
+    **objects: Any,
+) -> None:
     """Declare the training state a replacement rank must get back (call it in a `%%ddp --setup` cell).
 
     Modules (DDP-wrapped or not), optimizers, schedulers (anything with `state_dict` /
@@ -76,9 +86,28 @@ def track(*, snapshot_every: int = DEFAULT_SNAPSHOT_EVERY, **objects: Any) -> No
 
     A model sharded by `shard_model` (FSDP2) is snapshotted whole (gathered; a CPU copy of the
     full model on every rank), and an optimizer over it must be tracked with it.
+
+    `persist="ckpt/"` also writes every `persist_every`-th snapshot, and each one taken at the end of
+    a cell, to that folder (one every host sees), off the training thread (`persisting`):
+    `%ddp_resume ckpt/` goes on from the newest whole one after every rank was lost, on this number
+    of ranks or another. `persist=False` stops writing; leaving it out keeps what was set.
     """
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    if persist is False:
+        RANK.tracked.persist = None
+    elif persist is not None and persist is not True:
+        from . import persisting
+
+        settings = persisting.PersistSettings.build(persist, persist_every, guard=_whole_world())
+        if membership.context().rank == 0 and RANK.tracked.persist != settings:
+            if not torch_adapter.dcp_from_one_process():
+                print(f"off here: {torch_adapter.DCP_FROM_ONE_PROCESS_LIMIT}", file=sys.stderr, flush=True)
+            if settings.earlier:
+                print(settings.earlier_note(), file=sys.stderr, flush=True)
+        RANK.tracked.persist = settings
+    elif persist is True:
+        raise ValueError("persist takes a folder, e.g. persist='ckpt/' (or False to stop writing)")
     for name, obj in objects.items():
         if isinstance(obj, helpers.EpochDataLoader) and not isinstance(obj.sampler, helpers.ResumableSampler):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
@@ -144,7 +173,62 @@ def _take(where: str, reuse_sharded: bool, rng: dict[str, Any] | None = None) ->
     RANK.tracked.snapshots.append(Snapshot(RANK.tracked.seq, where, state, rng, RANK.tracked.steps))
     if RANK.tracked.collective:
         RANK.tracked.sharded_mark = _sharded_mark()
+    settings = RANK.tracked.persist
+    if settings is not None and (RANK.tracked.seq % settings.every == 0 or where == CELL_END) and _whole_world():
+        from . import persisting  # loaded by track(persist=...)
+
+        context = membership.context()
+        # the buckets go with it: a reducer that sums in other buckets rounds differently past 2 ranks
+        job = persisting.Job(
+            settings,
+            RANK.tracked.seq,
+            where,
+            state,
+            rng,
+            RANK.tracked.steps,
+            context.rank,
+            context.world_size,
+            wrapped_models() if context.rank == 0 else {},
+        )
+        persisting.submit(job)
     return int(RANK.tracked.seq)
+
+
+def _whole_world() -> bool:
+    """This rank is in its world's group (not replaying setup cells in a group of its own)."""
+    joined = membership.joined_context()
+    return joined is None or not dist.is_initialized() or dist.get_world_size() == joined.world_size
+
+
+def resume(folder: str | os.PathLike[str]) -> str:
+    """Every rank calls this at once, after the setup cells: the newest whole snapshot written to
+    `folder` loads on every rank, on the world's size or another. Returns what was loaded."""
+    from . import persisting
+
+    written = persisting.read_newest(folder, membership.context().rank)
+    missing = sorted(set(written.state) - set(RANK.tracked.objects))
+    if missing:
+        raise RuntimeError(
+            f"the snapshot holds {', '.join(missing)}, which this world does not track: call "
+            "ddp_notebook.track(...) with the same names in a %%ddp --setup cell first"
+        )
+    _apply(written.state)
+    # the models' reducers sum in the buckets the written world's had, as after a comeback
+    here = wrapped_models()
+    rewrap_models({name: layout for name, layout in written.layouts.items() if name in here})
+    from . import generators, step_points
+
+    generators.set_back(written.rng)
+    RANK.tracked.snapshots.clear()
+    RANK.tracked.snapshots.append(Snapshot(written.seq, written.where, written.state, written.rng, written.steps))
+    RANK.tracked.seq, RANK.tracked.steps = written.seq, written.steps
+    step_points.forget_due()
+    RANK.tracked.diverged = False
+    RANK.tracked.sharded_mark = _sharded_mark() if RANK.tracked.collective else None
+    settings = RANK.tracked.persist
+    if settings is not None and settings.folder == Path(folder).expanduser().resolve():
+        RANK.tracked.persist = dataclasses.replace(settings, earlier=0)  # this world goes on writing there
+    return f"snapshot {written.seq} ({written.where}) of a world of {written.world_size} ranks"
 
 
 def snapshot_numbers() -> list[int]:
@@ -312,11 +396,11 @@ def _after_cell(result: Any) -> None:
     if skip or RANK.tracked.diverged or not (RANK.tracked.objects and getattr(result, "success", False)):
         return
     if not RANK.tracked.collective:
-        snapshot("the end of a cell")
+        snapshot(CELL_END)
     elif RANK.tracked.snapshots and _sharded_mark() == RANK.tracked.sharded_mark:
         # the sharded state is as the last snapshot gathered it (a cell that did not train):
         # that copy serves again, with fresh copies of the rest, and no collective is needed
-        _take("the end of a cell", reuse_sharded=True)
+        _take(CELL_END, reuse_sharded=True)
     else:
         # gathering is a collective, and another rank may have failed or still be in the cell:
         # the notebook, which knows, has every rank take it at once

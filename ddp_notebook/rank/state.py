@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # the default of track(snapshot_every=...): a copy of a small model's state every 20 batches (or
 # optimizer steps) costs under 1% of its step time (benchmarks/plain_loop_snapshots.py measures it)
 DEFAULT_SNAPSHOT_EVERY = 20
+DEFAULT_PERSIST_EVERY = 5  # snapshots between two written to disk (track(persist=...))
 KEEP_SNAPSHOTS = 2  # the newest one may be half taken on some ranks when a rank dies
 
 
@@ -92,6 +93,8 @@ class Tracked:
     step_due: dict[str, Any] | None = None  # a step point's generators, until the next step starts
     step_hooks: list[Any] = field(default_factory=list)  # torch's handles of the step points' hooks
     stepping: Any = None  # a weak reference to the optimizer whose steps are counted
+    persist: Any = None  # persisting.PersistSettings: every K-th snapshot goes to disk too
+    writer: Any = None  # persisting.Writer: this rank's writer thread, made on the first write
 
 
 @dataclass

@@ -6,7 +6,8 @@ store rendezvous, give a rebuilt FSDP2 module's state to the user's object. Each
 exercised by `tests/test_torch_adapter.py` (and the heal, comeback and X-ray tests that rely on
 it), which `benchmarks/compat.py` runs on every torch of the range `pyproject.toml` declares
 (2.6 to the newest): a torch that moves one of these fails there first. What a release lacks is
-found by feature here (`native_flight_recorder`, `fsdp2_on_cpu`), never by its version string.
+found by feature here (`native_flight_recorder`, `fsdp2_on_cpu`, `dcp_from_one_process`), never by
+its version string.
 Runs on ranks; imported only where torch already is.
 """
 
@@ -35,6 +36,66 @@ def fsdp2_on_cpu() -> bool:
     """Whether FSDP2's `fully_shard` runs on CPU tensors here: it records events on the current
     stream, which torch 2.6's CPU stream cannot (torch 2.9's can)."""
     return hasattr(torch.cpu.Stream, "record_event")
+
+
+def dcp_from_one_process() -> bool:
+    """Whether torch.distributed.checkpoint saves and loads from one process inside a running world
+    (`no_dist`, torch 2.7 on; torch 2.6 would make every rank of the group take part)."""
+    import torch.distributed.checkpoint as dcp
+
+    return all("no_dist" in inspect.signature(call).parameters for call in (dcp.save, dcp.load))
+
+
+DCP_FROM_ONE_PROCESS_LIMIT = (
+    "persisted snapshots are written with torch.save here, not torch.distributed.checkpoint "
+    "(this torch's checkpoint cannot save from rank 0 alone)"
+)
+
+
+def checkpoint_format() -> str:
+    return "dcp" if dcp_from_one_process() else "torch.save"
+
+
+def save_whole_checkpoint(state: dict[str, Any], path: Any) -> None:
+    """Write `state` (string keys: tensors, and one object) from this process alone."""
+    if checkpoint_format() == "torch.save":
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path / "state.pt")
+        return
+    import torch.distributed.checkpoint as dcp
+
+    _quiet_single_process_notice()
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def _quiet_single_process_notice() -> None:
+    """DCP warns at every `no_dist` call that it assumes one process: what is asked here, and a
+    rank's stderr is the notebook's. One filter for that message alone."""
+    import warnings
+
+    if not any(getattr(f[1], "pattern", None) == _SINGLE_PROCESS_NOTICE for f in warnings.filters):
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
+
+
+_SINGLE_PROCESS_NOTICE = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
+
+
+def read_whole_checkpoint(path: Any, format: str) -> dict[str, Any]:
+    """Everything `save_whole_checkpoint` wrote, without a state dict to load into. DCP reads that
+    only privately: its planner that fills an empty dict (`_EmptyStateDictLoadPlanner`) through
+    `_load_state_dict` (the public `load` fills a copy of the dict it is given), as torch's own
+    `dcp_to_torch_save` does."""
+    if format == "torch.save":
+        return dict(torch.load(path / "state.pt", weights_only=False))
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return state
 
 
 def flight_recorder(entries: bool) -> dict[str, Any]:

@@ -1,0 +1,359 @@
+"""Runs on ranks: tracked snapshots written to disk, so a training outlives every one of its ranks.
+
+`track(..., persist="ckpt/", persist_every=K)` writes every K-th snapshot (`elastic`) to the folder,
+on a writer thread: the training thread only hands it the snapshot, which is already a CPU copy of
+its own. The world state is the same on every rank, so rank 0 alone writes it (with
+torch.distributed.checkpoint where this torch saves from one process, `torch_adapter`), and every
+rank writes its own random number generators beside it. The folder holds, per written snapshot:
+
+    snapshot-00000040/          the world state (rank 0)
+    snapshot-00000040.ranks/    rank-00001.pt: each rank's generators and step count
+    snapshot-00000040.json      written last, by rank 0, once both are whole
+
+A snapshot without its `.json` is never loaded (a half-written one, a writer killed with its
+process). Rank 0 keeps the newest KEEP_WRITTEN whole ones and removes the rest. The folder must be
+one every host of the world sees: rank 0 waits RANK_FILES_SECONDS for the others' files, says so
+once if they never appear, and leaves that snapshot incomplete.
+
+`read_newest(folder)` is what `%ddp_resume` loads from on every rank of a new world, of the same size
+or another (the world state is whole in each snapshot: `elastic` reshards what is sharded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import torch_adapter
+
+KEEP_WRITTEN = 2  # whole snapshots kept on disk
+RANK_FILES_SECONDS = 120.0  # rank 0 waits this long for every rank's generators before giving up on a snapshot
+POLL_SECONDS = 0.05
+QUEUED = 2  # snapshots waiting for the disk before the training thread waits too
+QUEUE_WAIT_SECONDS = 600.0
+MARKER_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistSettings:
+    folder: Path
+    every: int  # snapshots between two writes
+    # the newest whole snapshot the folder held when this world began writing there (0 after
+    # %ddp_resume from it): an earlier run's, which this world's lower numbers must not replace
+    earlier: int = 0
+
+    def earlier_note(self) -> str:
+        return (
+            f"[persist] {self.folder} holds snapshot {self.earlier} of an earlier run: %ddp_resume {self.folder} "
+            "goes on from it; until then nothing of this world's is written there (or persist to another folder)"
+        )
+
+    @classmethod
+    def build(cls, folder: str | os.PathLike[str], every: int, *, guard: bool = True) -> PersistSettings:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"persist_every must be a whole number >= 1, got {every!r}")
+        path = Path(folder).expanduser().resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as failure:
+            reason = failure.strerror or failure
+            raise ValueError(f"persist folder {str(folder)!r} cannot be written: {reason}") from None
+        whole = whole_snapshots(path) if guard else []
+        return cls(path, every, whole[-1][0] if whole else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """A whole snapshot on disk, as `read_newest` found it."""
+
+    seq: int
+    where: str
+    world_size: int
+    written_at: float
+    state: dict[str, Any]
+    rng: dict[str, Any]  # this rank's generators (rank 0's where the written world had no such rank)
+    steps: int
+    layouts: dict[str, Any]  # DDP models' gradient buckets (`elastic.wrapped_models`)
+
+
+@dataclasses.dataclass
+class Job:
+    settings: PersistSettings
+    seq: int
+    where: str
+    state: dict[str, Any]
+    rng: dict[str, Any]
+    steps: int
+    rank: int
+    world_size: int
+    layouts: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def submit(job: Job) -> bool:
+    """Hand a snapshot to this rank's writer; False if the previous one is still being written."""
+    from .state import RANK
+
+    if RANK.tracked.writer is None:
+        RANK.tracked.writer = Writer()
+    return bool(RANK.tracked.writer.submit(job))
+
+
+class Writer:
+    """One writer thread per rank. Every rank writes every due snapshot (a rank that skipped one
+    would leave it incomplete for all): when the disk falls QUEUED snapshots behind, the training
+    thread waits for it, up to QUEUE_WAIT_SECONDS, then that snapshot is skipped and said."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=QUEUED)
+        self._thread: threading.Thread | None = None
+        self._pending = 0  # submitted, not yet written
+        self._lock = threading.Lock()
+        self.written: list[int] = []  # seqs this rank wrote its part of
+        self.skipped = 0
+        self.refused = 0  # snapshots not written over an earlier run's (`PersistSettings.earlier`)
+        self.last_error: str | None = None
+        self._said: set[str] = set()
+
+    def submit(self, job: Job) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="ddp-notebook-persist", daemon=True)
+            self._thread.start()
+        with self._lock:
+            self._pending += 1
+        try:
+            self._jobs.put(job, timeout=QUEUE_WAIT_SECONDS)
+        except queue.Full:
+            with self._lock:
+                self._pending -= 1
+            self.skipped += 1
+            self._say_once("slow", f"[persist] the disk is {QUEUED} snapshots behind: snapshot {job.seq} is skipped")
+            return False
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Whether every submitted snapshot was written within `timeout` seconds (a cell's end, a test)."""
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                write(job)
+                self.written.append(job.seq)
+            except FolderHoldsNewer:
+                self.refused += 1  # said once, by track()
+            except Exception as failure:  # noqa: BLE001  (said once; training goes on)
+                self.last_error = f"{type(failure).__name__}: {failure}"
+                self._say_once("error", f"[persist] snapshot {job.seq} was not written: {self.last_error}")
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _say_once(self, key: str, line: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            print(line, file=sys.stderr, flush=True)
+
+
+class FolderHoldsNewer(RuntimeError):
+    """The folder holds a later snapshot of an earlier run: writing below it would lose the new ones."""
+
+
+def write(job: Job) -> None:
+    """This rank's part of snapshot `job.seq`; rank 0's also the world state and the marker."""
+    if job.seq <= job.settings.earlier:
+        raise FolderHoldsNewer(job.settings.earlier_note())
+    base = job.settings.folder / _name(job.seq)
+    # a snapshot of this number written before the world went back to an older one (a comeback)
+    # stops being whole before it is written again
+    base.with_name(base.name + ".json").unlink(missing_ok=True)
+    ranks_dir = base.with_name(base.name + ".ranks")
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(
+        {"rng": job.rng, "steps": job.steps, "rank": job.rank, "world_size": job.world_size},
+        ranks_dir / _rank_file(job.rank),
+    )
+    if job.rank != 0:
+        return
+    partial = base.with_name(base.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)  # a previous world's same-numbered snapshot, never whole
+    skeleton, tensors = _split(job.state)
+    torch_adapter.save_whole_checkpoint({"structure": _Structure(skeleton, job.layouts), **tensors}, partial)
+    os.replace(partial, base)
+    if not _wait_for_ranks(ranks_dir, job.world_size):
+        missing = [r for r in range(job.world_size) if not (ranks_dir / _rank_file(r)).exists()]
+        raise TimeoutError(
+            f"ranks {missing} never wrote their files to {job.settings.folder} within {RANK_FILES_SECONDS:g} s: "
+            "persist to a folder every host of the world sees"
+        )
+    marker = {
+        "version": MARKER_VERSION,
+        "seq": job.seq,
+        "where": job.where,
+        "world_size": job.world_size,
+        "written_at": time.time(),
+        "torch": torch.__version__,
+        "format": torch_adapter.checkpoint_format(),
+    }
+    temporary = base.with_name(base.name + ".json.tmp")
+    temporary.write_text(json.dumps(marker))
+    os.replace(temporary, base.with_name(base.name + ".json"))
+    _prune(job.settings.folder, keep=KEEP_WRITTEN)
+
+
+def whole_snapshots(folder: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(seq, marker) of every whole snapshot in `folder`, oldest first."""
+    found = []
+    for marker in folder.glob("snapshot-*.json"):
+        try:
+            data = json.loads(marker.read_text())
+            seq = int(data["seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if marker.with_suffix("").is_dir():
+            found.append((seq, data))
+    return sorted(found, key=lambda item: item[0])
+
+
+def read_newest(folder: str | os.PathLike[str], rank: int) -> Written:
+    """The newest whole snapshot in `folder`, with `rank`'s own generators where it had that rank."""
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"no folder {str(folder)!r}: give the folder track(persist=...) wrote to")
+    whole = whole_snapshots(path)
+    if not whole:
+        raise FileNotFoundError(f"no whole snapshot in {str(folder)!r} (none was written, or none finished)")
+    seq, marker = whole[-1]
+    base = path / _name(seq)
+    loaded = torch_adapter.read_whole_checkpoint(base, marker.get("format", "dcp"))
+    structure = loaded.pop("structure")
+    state = _join(structure.value, loaded)
+    ranks_dir = base.with_name(base.name + ".ranks")
+    own = ranks_dir / _rank_file(rank)
+    # a rank the written world did not have takes rank 0's generators, as a new rank takes its
+    # sender's after a comeback
+    mine = torch.load(own if own.exists() else ranks_dir / _rank_file(0), weights_only=False)
+    return Written(
+        seq=seq,
+        where=str(marker.get("where", "")),
+        world_size=int(marker["world_size"]),
+        written_at=float(marker.get("written_at", 0.0)),
+        state=state,
+        rng=mine["rng"],
+        steps=int(mine["steps"]),
+        layouts=dict(structure.layouts),
+    )
+
+
+# ---------------------------------------------------------------- the state as DCP keeps it
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorAt:
+    """Where a tensor sat in the snapshot: DCP keeps tensors under string keys, the structure
+    (tuples, integer keys of an optimizer's state) goes beside them as one object."""
+
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """The snapshot without its tensors, kept by DCP as one object (a dict would be flattened), and
+    the DDP models' gradient buckets: a reducer summing in other buckets rounds otherwise."""
+
+    value: Any
+    layouts: dict[str, Any]
+
+
+def _split(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = f"tensor{len(tensors):06d}"
+            tensors[key] = value
+            return _TensorAt(key)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(state), tensors
+
+
+def _join(skeleton: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(skeleton, _TensorAt):
+        return tensors[skeleton.key]
+    if isinstance(skeleton, dict):
+        return {k: _join(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)) and type(skeleton) in (list, tuple):
+        return type(skeleton)(_join(v, tensors) for v in skeleton)
+    return skeleton
+
+
+# ---------------------------------------------------------------- files
+
+
+def _name(seq: int) -> str:
+    return f"snapshot-{seq:08d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _atomic_torch_save(value: Any, path: Path) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(value, temporary)
+    os.replace(temporary, path)
+
+
+def _wait_for_ranks(ranks_dir: Path, world_size: int) -> bool:
+    deadline = time.monotonic() + RANK_FILES_SECONDS
+    while not all((ranks_dir / _rank_file(r)).exists() for r in range(world_size)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Only the newest `keep` whole snapshots stay, and nothing older than the oldest of them."""
+    whole = [seq for seq, _ in whole_snapshots(folder)]
+    if not whole:
+        return
+    kept = set(whole[-keep:])
+    oldest_kept = min(kept)
+    for entry in folder.glob("snapshot-*"):
+        seq = _seq_of(entry.name)
+        if seq is None or seq in kept or seq > oldest_kept:
+            continue  # a newer snapshot still being written is not ours to remove
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _seq_of(name: str) -> int | None:
+    digits = name.removeprefix("snapshot-")[:8]
+    return int(digits) if digits.isdigit() else None

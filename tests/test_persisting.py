@@ -1,0 +1,191 @@
+"""Snapshots on disk (`track(persist=...)`): every rank of a real gloo world SIGKILLed, a new world
+resumes from the folder and ends as the uninterrupted run does; the files' rules in pure logic."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_notebook import DDPCluster, RankDiedError
+from ddp_notebook.rank import persisting
+from tests.conftest import wait_gone
+from tests.test_elastic import (
+    DDP,
+    DROP,
+    EPOCHS,
+    _bitwise_equal,
+    _build,
+    _ends_like,
+    _params,
+    _reference,
+    _steps_per_epoch,
+    _train,
+    _trained_in_one_process,
+)
+
+TRACK = (
+    "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, seen=seen, snapshot_every=3, "
+    "persist={folder!r}, persist_every={every})"
+)
+# as tests.test_elastic's TRAIN, but every rank dies at KILL_AT, once its snapshot writer is idle
+TRAIN_UNTIL_ALL_KILLED = """
+import os, signal
+from ddp_notebook.rank.calls import persist_wait
+while loader.epoch < {epochs}:
+    for x, y, ids in loader:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, ids.tolist())
+        seen.append(sum(gathered, []))
+        if step == KILL_AT:
+            assert persist_wait(60)["idle"]
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+"""
+RESUME = "from ddp_notebook.rank import elastic\nresumed = elastic.resume({folder!r})"
+
+
+def _lose_every_rank(world: DDPCluster, kill_at: int) -> list[int]:
+    pids = world.all_pids
+    world.push({"KILL_AT": kill_at})
+    with pytest.raises(RankDiedError):
+        world.execute(TRAIN_UNTIL_ALL_KILLED.format(epochs=EPOCHS))
+    return pids
+
+
+def _resume(world: DDPCluster, folder: Path, every: int, drop: float) -> str:
+    setup = world.execute(
+        _build("", DDP, drop) + TRACK.format(folder=str(folder), every=every), setup=True, stream=False
+    )
+    # said once, by rank 0, under the cell that names the folder: what to type next
+    assert (
+        f"holds snapshot {persisting.whole_snapshots(folder)[-1][0]} of an earlier run: %ddp_resume" in setup.stderr[0]
+    )
+    assert all("earlier run" not in setup.stderr.get(r, "") for r in range(1, world.world_size))
+    world.execute(RESUME.format(folder=str(folder)))
+    said = world.pull("resumed")
+    assert len(set(said.values())) == 1, said
+    return said[0]
+
+
+@pytest.mark.parametrize("size", [pytest.param(2, id="2ranks"), pytest.param(3, id="3ranks")])
+def test_a_run_whose_every_rank_was_killed_resumes_from_disk_bitwise_equal(
+    no_leaks: None, tmp_path: Path, size: int
+) -> None:
+    folder = tmp_path / "ckpt"
+    kill_at = _steps_per_epoch(size) + 5  # epoch 1, after the snapshot at its batch 3
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
+        reference, reference_seen = _reference(world, DDP)
+        world.execute(_build("", DDP, DROP) + TRACK.format(folder=str(folder), every=1), setup=True)
+        pids = _lose_every_rank(world, kill_at)
+    assert wait_gone(pids) == []
+
+    whole = persisting.whole_snapshots(folder)
+    assert len(whole) == persisting.KEEP_WRITTEN  # older ones pruned
+    newest, marker = whole[-1]
+    assert marker["where"] == "epoch 1, batch 3" and marker["world_size"] == size
+    assert sorted(p.name for p in (folder / f"snapshot-{newest:08d}.ranks").iterdir()) == [
+        f"rank-{r:05d}.pt" for r in range(size)
+    ]
+
+    with DDPCluster(size, backend="gloo", timeout=60) as world:
+        said = _resume(world, folder, every=1, drop=DROP)
+        assert said == f"snapshot {newest} (epoch 1, batch 3) of a world of {size} ranks"
+        assert world.pull("step") == {r: _steps_per_epoch(size) + 3 for r in range(size)}
+        _train(world, "")
+        _ends_like(world, reference, reference_seen)
+        # the resumed world goes on writing there, numbered after what it resumed from
+        world.execute("from ddp_notebook.rank.calls import persist_wait\nstate = persist_wait(60)")
+        assert all(s["idle"] and s["error"] is None for s in world.pull("state").values())
+        assert persisting.whole_snapshots(folder)[-1][0] > newest
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+def test_a_run_resumes_from_disk_on_another_number_of_ranks_as_one_process_would(
+    no_leaks: None, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ckpt"
+    with DDPCluster(2, backend="gloo", timeout=60) as world:
+        world.execute(_build("", DDP, 0.0) + TRACK.format(folder=str(folder), every=2), setup=True)
+        pids = _lose_every_rank(world, _steps_per_epoch(2) + 5)
+    assert wait_gone(pids) == []
+    newest, marker = persisting.whole_snapshots(folder)[-1]
+    assert marker["world_size"] == 2
+
+    with DDPCluster(3, backend="gloo", timeout=60) as world:
+        said = _resume(world, folder, every=2, drop=0.0)
+        assert said.startswith(f"snapshot {newest} (") and said.endswith("of a world of 2 ranks")
+        _train(world, "")
+        params, seen = _params(world, ""), world.pull("seen")
+        assert all(_bitwise_equal(params[r], params[0]) and seen[r] == seen[0] for r in range(3))
+        # the steps before the loss on 2 ranks' batches, after it on 3 ranks': each sample once an epoch
+        for got, expected in zip(params[0], _trained_in_one_process(seen[0])):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        pids = world.all_pids
+    assert wait_gone(pids) == []
+
+
+# ---------------------------------------------------------------- the files, in pure logic
+
+
+def _write(folder: Path, seq: int, world_size: int = 1, every: int = 1) -> None:
+    settings = persisting.PersistSettings.build(folder, every, guard=False)
+    state = {"model": ("module", {"w": torch.full((2,), float(seq))}), "opt": ("state_dict", {"state": {0: {}}})}
+    for rank in range(world_size - 1, -1, -1):  # rank 0 last: it waits for the others' files
+        persisting.write(persisting.Job(settings, seq, f"point {seq}", state, {"python": None}, seq, rank, world_size))
+
+
+def test_the_structure_comes_back_as_it_was_written(tmp_path: Path) -> None:
+    state = {"m": ("module", {"w": torch.arange(3.0)}), "o": ("state_dict", {"state": {0: {"buf": torch.ones(2)}}})}
+    _write(tmp_path, 1)
+    skeleton, tensors = persisting._split(state)
+    assert (
+        len(tensors) == 2 and persisting._join(skeleton, tensors)["o"][1]["state"][0]["buf"] is tensors["tensor000001"]
+    )
+    written = persisting.read_newest(tmp_path, rank=0)
+    assert written.seq == 1 and written.where == "point 1" and written.steps == 1
+    assert written.state["model"][0] == "module" and torch.equal(written.state["model"][1]["w"], torch.full((2,), 1.0))
+    assert list(written.state["opt"][1]["state"]) == [0]  # integer keys stay integers
+
+
+def test_only_whole_snapshots_load_and_the_newest_two_are_kept(tmp_path: Path) -> None:
+    for seq in (1, 2, 3):
+        _write(tmp_path, seq, world_size=2)
+    assert [seq for seq, _ in persisting.whole_snapshots(tmp_path)] == [2, 3]
+    assert not any(p.name.startswith("snapshot-00000001") for p in tmp_path.iterdir())
+    # a snapshot whose marker never came (its writer killed) is never loaded
+    (tmp_path / "snapshot-00000004").mkdir()
+    (tmp_path / "snapshot-00000004.ranks").mkdir()
+    assert persisting.read_newest(tmp_path, rank=1).seq == 3
+    # a rank the written world did not have takes rank 0's generators
+    assert persisting.read_newest(tmp_path, rank=5).steps == 3
+    os.remove(tmp_path / "snapshot-00000003.json")
+    assert persisting.read_newest(tmp_path, rank=0).seq == 2
+
+
+def test_a_folder_holding_a_later_run_is_not_written_over(tmp_path: Path) -> None:
+    _write(tmp_path, 7)
+    settings = persisting.PersistSettings.build(tmp_path, 1)
+    assert settings.earlier == 7
+    with pytest.raises(persisting.FolderHoldsNewer, match=r"holds snapshot 7 of an earlier run: %ddp_resume"):
+        persisting.write(persisting.Job(settings, 3, "x", {}, {}, 0, 0, 1))
+    assert json.loads((tmp_path / "snapshot-00000007.json").read_text())["seq"] == 7
+
+
+def test_bad_settings_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="persist_every must be a whole number >= 1, got 0"):
+        persisting.PersistSettings.build(tmp_path, 0)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ValueError, match="cannot be written"):
+        persisting.PersistSettings.build(blocked / "sub", 1)
+    with pytest.raises(FileNotFoundError, match="no whole snapshot"):
+        persisting.read_newest(tmp_path, rank=0)
