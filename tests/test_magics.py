@@ -288,3 +288,22 @@ def test_the_old_spellings_read_as_the_new_ones_and_the_help_shows_only_the_new(
     # %%ddp's own --profile (torch.profiler) and --timeout (the cell's limit) are no old spellings
     cell = parse_line(magic("ddp"), "--profile 3 --timeout 9")
     assert (cell.profile, cell.timeout) == ("3", 9.0)
+
+
+def test_ddp_start_mirrors_world_config_build() -> None:
+    """Each option of %ddp_start is a keyword of WorldConfig.build (or a launcher shortcut of it), with its
+    default; what only Python can give (an environment, a target to attach to, ...) is the rest."""
+    import inspect
+
+    from ddp_notebook.magics import magic, parse_line
+    from ddp_notebook.magics.arguments import TRACKER_OPTIONS, build_options
+    from ddp_notebook.world import launchers
+    from ddp_notebook.world.config import WorldConfig
+
+    given = build_options(parse_line(magic("ddp_start"), ""), "n", "restart", *TRACKER_OPTIONS)
+    parameters = inspect.signature(WorldConfig.build).parameters.values()
+    build = {parameter.name for parameter in parameters if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    taken = build | set(launchers.SHORTCUTS)
+    assert set(given) <= taken, sorted(set(given) - taken)
+    assert taken - set(given) == {"env", "attach", "autoreload", "simulated"}
+    assert WorldConfig.build(2, **given) == WorldConfig.build(2)  # the magic's defaults are Python's

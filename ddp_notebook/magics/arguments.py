@@ -1,6 +1,7 @@
 """What the magics take, declared once: option groups shared by the magics that take them (as
-ipyparallel's `client/magics.py` shares `exec_args` and `output_args`), `%ddp_start`'s options as a
-table mirroring `WorldConfig.build`, a line read as a shell splits it, and renamed options.
+ipyparallel's `client/magics.py` shares `exec_args` and `output_args`), `%ddp_start`'s options
+mirroring `WorldConfig.build` (a test holds them to it), a line read as a shell splits it, and the
+options' old spellings.
 """
 
 from __future__ import annotations
