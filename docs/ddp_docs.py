@@ -206,15 +206,16 @@ class MagicsDirective(SphinxDirective):
     """Every magic's help text, as `%name?` shows it."""
 
     def run(self) -> list[nodes.Node]:
-        from ddp_notebook.magics import DDPMagics
+        from ddp_notebook.magics import MAGICS_CLASSES
 
         found = []
-        for kind, table in DDPMagics.magics.items():
-            for name in table:
-                prefix = "%%" if kind == "cell" else "%"
-                doc = inspect.getdoc(getattr(DDPMagics, table[name])) or "(no help text)"
-                # IPython's magic_arguments starts the usage with an rst "::" line: not for a literal block
-                found.append((name, prefix, doc.removeprefix("::\n").lstrip("\n")))
+        for cls in MAGICS_CLASSES:
+            for kind, table in cls.magics.items():
+                for name in table:
+                    prefix = "%%" if kind == "cell" else "%"
+                    doc = inspect.getdoc(getattr(cls, table[name])) or "(no help text)"
+                    # IPython's magic_arguments starts the usage with an rst "::" line: not for a literal block
+                    found.append((name, prefix, doc.removeprefix("::\n").lstrip("\n")))
         result: list[nodes.Node] = []
         for name, prefix, doc in sorted(found):
             section = nodes.section(ids=[f"magic-{name}"])

@@ -128,13 +128,12 @@ SIDES = {
     "world": "the kernel: a world and its processes",
     "cell": "the kernel: a cell in flight",
     "live": "the kernel: what a running cell shows",
+    "magics": "the kernel: the %ddp magics, a line read and one call on the world",
 }
-KERNEL_SIDE = ("world", "cell", "live")
+KERNEL_SIDE = ("magics", "world", "cell", "live")
 STANDARD_LIBRARY_ONLY = ("wire", "platform")
-# the package root holds its public face only: lazy names, the magics, the errors users catch, the datasets
-ROOT_MODULES = {
-    "ddp_notebook", "ddp_notebook._version", "ddp_notebook.errors", "ddp_notebook.datasets", "ddp_notebook.magics",
-}  # fmt: skip
+# the package root holds its public face only: lazy names, the errors users catch, the datasets
+ROOT_MODULES = {"ddp_notebook", "ddp_notebook._version", "ddp_notebook.errors", "ddp_notebook.datasets"}
 ROOT_STANDARD_LIBRARY_ONLY = ("ddp_notebook._version", "ddp_notebook.errors")
 # the datasets of the notebooks' cells: standard library at import, torch inside the functions that make tensors
 ROOT_TORCH_WHEN_CALLED = ("ddp_notebook.datasets",)
@@ -147,13 +146,13 @@ def side_of(module: str) -> str:
 
 
 def is_kernel_side(module: str) -> bool:
-    return side_of(module) in KERNEL_SIDE or module == "ddp_notebook.magics"
+    return side_of(module) in KERNEL_SIDE
 
 
 def test_the_side_rules_see_what_they_check() -> None:
     assert side_of("ddp_notebook.world.provisioning.local") == "world"
     assert side_of("ddp_notebook.rank") == "rank" and side_of("ddp_notebook.errors") == "root"
-    assert is_kernel_side("ddp_notebook.magics") and is_kernel_side("ddp_notebook.live.feed")
+    assert is_kernel_side("ddp_notebook.magics.core") and is_kernel_side("ddp_notebook.live.feed")
     assert not is_kernel_side("ddp_notebook.rank.calls") and not is_kernel_side("ddp_notebook.wire.join")
 
 

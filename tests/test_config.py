@@ -94,13 +94,14 @@ def test_bad_timeouts(cpu_only: None, timeout: object) -> None:
 def test_strict_mode_is_a_world_setting_the_magic_passes_through(cpu_only: None) -> None:
     from IPython.core.magic_arguments import parse_argstring
 
-    from ddp_notebook.magics import _TRACKER_OPTIONS, DDPMagics, _build_options
+    from ddp_notebook.magics.arguments import TRACKER_OPTIONS, build_options
+    from ddp_notebook.magics.core import DDPMagics
 
     assert WorldConfig.build(2).check_collectives is False
     assert WorldConfig.build(2, check_collectives=True).check_collectives is True
     for line, strict in (("2 --check-collectives", True), ("2", False)):
         args = parse_argstring(DDPMagics.ddp_start, line)
-        options = _build_options(args, "n", "restart", *_TRACKER_OPTIONS)
+        options = build_options(args, "n", "restart", *TRACKER_OPTIONS)
         assert WorldConfig.build(2, **options).check_collectives is strict
 
 

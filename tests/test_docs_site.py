@@ -203,12 +203,12 @@ def test_docs_site_in_browser(site: dict[str, Any]) -> None:
     assert any("live_view.png" in src for src, _ in seen["README.html"]["images"])
     # the API reference: every name the package exports, and every magic
     import ddp_notebook
-    from ddp_notebook.magics import DDPMagics
+    from ddp_notebook.magics import MAGICS_CLASSES
 
     api_ids = set(seen["docs/api.html"]["ids"])
     exported = [name for name in ddp_notebook.__all__ if not name.startswith("__")]
     assert [name for name in exported if f"ddp_notebook.{name}" not in api_ids] == []
-    magics = [name for table in DDPMagics.magics.values() for name in table]
+    magics = [name for cls in MAGICS_CLASSES for table in cls.magics.values() for name in table]
     assert [name for name in magics if f"magic-{name}" not in api_ids] == []
     # each notebook: every cell's outputs as they ran, every figure drawn, errors only where meant
     for path in NOTEBOOKS:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook.magics import DDPMagics, parse_line
+from ddp_notebook.magics import magic as find_magic
+from ddp_notebook.magics import parse_line
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "notebooks").glob("*.ipynb"))]
@@ -90,10 +91,11 @@ def mentions() -> list[Mention]:
 MENTIONS = mentions()
 
 
-def _method(magic: str) -> object:
-    method = getattr(DDPMagics, magic, None)
-    assert method is not None, f"%{magic} is documented but is no magic of ddp_notebook"
-    return method
+def _method(name: str) -> object:
+    try:
+        return find_magic(name)
+    except KeyError:
+        raise AssertionError(f"%{name} is documented but is no magic of ddp_notebook") from None
 
 
 def _options(method: object) -> set[str]:
@@ -113,6 +115,8 @@ def test_every_documented_magic_line_parses(mention: Mention) -> None:
     method = _method(mention.magic)
     words = _expanded(shlex.split(mention.rest))
     if hasattr(method, "parser"):
+        old = sorted({word.split("=")[0] for word in words} & set(getattr(method, "renamed_options", {})))
+        assert old == [], f"old spellings (the docs show the new ones): {old}"
         parse_line(method, shlex.join(words))  # a mistake raises (IPython's UsageError, or argparse's exit)
         return
     low, high = BY_HAND[mention.magic]

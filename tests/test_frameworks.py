@@ -165,7 +165,9 @@ def framework_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kerne
     """One kernel and one 2-rank world for every framework (each test runs its cells in it)."""
     kernel = Kernel()
     try:
-        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --backend gloo --timeout 120", timeout=180)
+        out, error = kernel.run(
+            "%load_ext ddp_notebook\n%ddp_start 2 --backend gloo --collective-timeout 120", timeout=180
+        )
         assert error is None, out
         pids = json.loads(pull(kernel, "__import__('os').getpid()", raw=True))
         out, error = kernel.run(DATA_CELL)

@@ -222,8 +222,8 @@ def one_line(shell: Any, line: str) -> str:
         ("%ddp_export train.py --nodes 2", "add --submit slurm"),
         ("%ddp_jobs --log 424242", "no job 424242 among this notebook's jobs"),
         ("%ddp_jobs --cancel 424242", "no job 424242 among this notebook's jobs"),
-        ("%ddp_jobs --follow", "--follow, --all and --timeout go with --log ID"),
-        ("%ddp_jobs --log 1 --follow --timeout 0", "--timeout must be a number of seconds > 0"),
+        ("%ddp_jobs --follow", "--follow, --all and --follow-timeout go with --log ID"),
+        ("%ddp_jobs --log 1 --follow --follow-timeout 0", "--follow-timeout must be a number of seconds > 0"),
     ],
 )
 def test_misuse_of_the_job_magics_is_one_line(
@@ -347,7 +347,7 @@ def test_cells_submitted_as_a_job_run_on_two_nodes_and_end_with_the_cells_weight
         assert f"follow it with: %ddp_jobs --log {job} --follow" in out
         assert (notebook / "train.py").exists() and (notebook / "train.sbatch").exists()
 
-        follow = f"%ddp_jobs --log {job} --follow --timeout {DONE_SECONDS}"
+        follow = f"%ddp_jobs --log {job} --follow --follow-timeout {DONE_SECONDS}"
         out = printed(kernel, follow, timeout=DONE_SECONDS + 30, ran=ran)
         lines = out.splitlines()
         assert lines[-1] == f"job {job} COMPLETED (exit code 0)", out

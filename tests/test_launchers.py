@@ -59,7 +59,7 @@ def test_mpi_args_typed_in_a_kernel_reach_mpiexec_word_by_word() -> None:
         out, error = kernel.run("%load_ext ddp_notebook")
         assert error is None, out
         out, error = kernel.run(
-            "%ddp_start 2 --launcher mpi --backend gloo --timeout 60 "
+            "%ddp_start 2 --launcher mpi --backend gloo --collective-timeout 60 "
             '--mpi-args "--allow-run-as-root --oversubscribe -x DDP_NOTEBOOK_TYPED=word-by-word"',
             timeout=180,
         )

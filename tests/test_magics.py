@@ -36,7 +36,7 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2.5", "'2.5' is not a number of ranks"),
         ("%ddp_start 2 --backend nccl", "needs GPUs"),
         ("%ddp_start 2 --backend mpi", "--backend must be one of"),
-        ("%ddp_start 2 --timeout 0", "timeout must be a number of seconds"),
+        ("%ddp_start 2 --collective-timeout 0", "timeout must be a number of seconds"),
         ("%ddp_start 2 --max-restarts -1", "max restarts must be >= 0"),
         ("%ddp_resize", "%ddp_resize needs the number of ranks"),
         ("%ddp_resize two", "'two' is not a number of ranks"),
@@ -57,13 +57,16 @@ def run(shell: object, source: str) -> object:
         ("%ddp_start 2 --launcher ssh --hosts a:x", "cannot read host 'a:x'"),
         ("%ddp_start 2 --launcher slurm --config qos=high", "write Class.trait=value"),
         ("%ddp_attach /nonexistent/ipcontroller-client.json", "no cluster connection file at /nonexistent"),
-        ("%ddp_attach --profile /nonexistent-profile --cluster-id c1", "ipcontroller-c1-client.json: is the cluster"),
+        (
+            "%ddp_attach --ipp-profile /nonexistent-profile --cluster-id c1",
+            "ipcontroller-c1-client.json: is the cluster",
+        ),
         ("%ddp_attach -n two", "'two' is not a number of ranks"),
         # worlds that cannot fit this machine (cores or memory), GPUs it does not have
         ("%ddp_start 100 --backend gloo", "100 CPU ranks do not fit here"),
         ("%ddp_start 2 --gpus 98,99 --backend gloo", "visible"),
         # --force reaches the checks: past the fit, the next one speaks
-        ("%ddp_start 100 --backend gloo --force --timeout 0", "timeout must be a number of seconds"),
+        ("%ddp_start 100 --backend gloo --force --collective-timeout 0", "timeout must be a number of seconds"),
         ('%ddp_start --launcher ssh --hosts a:1 --ssh-args "-i KEY', "close every quote you open"),
     ],
 )
@@ -269,3 +272,38 @@ def test_an_ssh_world_with_spare_slots_as_the_docs_start_it() -> None:
     settings, _ = start_config("4 --launcher ssh --hosts node1:2,node2:2,node3:2 --on-loss replace --ip 127.0.0.1")
     assert settings.n_ranks == 4 and settings.on_loss == "replace"
     assert settings.launch.settings["SSHEngineSetLauncher"]["engines"] == {"node1": 2, "node2": 2, "node3": 2}
+
+
+def test_the_old_spellings_read_as_the_new_ones_and_the_help_shows_only_the_new() -> None:
+    from ddp_notebook.magics import magic, parse_line, start_config
+
+    new, _ = start_config("2 --collective-timeout 7 --ipp-profile P --launcher mpi")
+    assert (new.timeout, new.launch.profile) == (7.0, "P")
+    assert start_config("2 --timeout 7 --profile P --launcher mpi")[0] == new
+    assert start_config("2 --timeout=7 --profile=P --launcher mpi")[0] == new
+    jobs = parse_line(magic("ddp_jobs"), "--log 3 --follow --timeout 30")
+    assert (jobs.log, jobs.follow, jobs.follow_timeout) == ("3", True, 30.0)
+    for name, old in (("ddp_start", "--timeout"), ("ddp_start", "--profile"), ("ddp_jobs", "--timeout")):
+        assert old not in magic(name).parser.format_help().split(), (name, old)
+    # %%ddp's own --profile (torch.profiler) and --timeout (the cell's limit) are no old spellings
+    cell = parse_line(magic("ddp"), "--profile 3 --timeout 9")
+    assert (cell.profile, cell.timeout) == ("3", 9.0)
+
+
+def test_ddp_start_mirrors_world_config_build() -> None:
+    """Each option of %ddp_start is a keyword of WorldConfig.build (or a launcher shortcut of it), with its
+    default; what only Python can give (an environment, a target to attach to, ...) is the rest."""
+    import inspect
+
+    from ddp_notebook.magics import magic, parse_line
+    from ddp_notebook.magics.arguments import TRACKER_OPTIONS, build_options
+    from ddp_notebook.world import launchers
+    from ddp_notebook.world.config import WorldConfig
+
+    given = build_options(parse_line(magic("ddp_start"), ""), "n", "restart", *TRACKER_OPTIONS)
+    parameters = inspect.signature(WorldConfig.build).parameters.values()
+    build = {parameter.name for parameter in parameters if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    taken = build | set(launchers.SHORTCUTS)
+    assert set(given) <= taken, sorted(set(given) - taken)
+    assert taken - set(given) == {"env", "attach", "autoreload", "simulated"}
+    assert WorldConfig.build(2, **given) == WorldConfig.build(2)  # the magic's defaults are Python's

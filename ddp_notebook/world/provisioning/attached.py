@@ -30,7 +30,7 @@ class AttachedProvisioner(Provisioner):
         if not os.path.isfile(connection_file):
             raise DDPUsageError(
                 f"no cluster connection file at {connection_file}: is the cluster running? "
-                "(give its ipcontroller-client.json, or --profile and --cluster-id as given to ipcluster start)"
+                "(give its ipcontroller-client.json, or the profile and cluster id ipcluster start was given)"
             )
         try:
             # the connection file goes positionally: ipyparallel 9 ignores url_file=
