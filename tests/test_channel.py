@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from ddp_notebook.cell.xray import Collective, RankCollectives
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed, Metrics, Recorder
+from ddp_notebook.live.xray_readings import Collective, RankCollectives
 from ddp_notebook.rank.channel import Channel, Progress
 from ddp_notebook.wire.channel import FLUSH_SECONDS, KEPT_MESSAGES, MESSAGE_KEY, RankMessage, messages_in
 

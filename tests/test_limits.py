@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook.cell.relay import OutputSink
-from ddp_notebook.cell.supervision import MemoryWatch
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.platform import devices, limits
 from ddp_notebook.platform.limits import MIB, Cgroup, GpuInfo, MemoryLimit, OomCounts, Platform
@@ -23,6 +22,7 @@ from ddp_notebook.platform.processes import describe_exit
 from ddp_notebook.wire.results import MemoryReading, RankInfo, RankStatus
 from ddp_notebook.world.config import RANK_MEMORY_BYTES, WorldConfig
 from ddp_notebook.world.report import format_status
+from ddp_notebook.world.supervision import MemoryWatch
 from tests import memory_cgroup
 from tests.conftest import owned_pids, wait_gone
 

@@ -12,7 +12,7 @@ from typing import Any
 from ddp_notebook.cell.outcome import Ending
 from ddp_notebook.cell.output import LineAssembler
 from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, CellRelay, OutputSink
-from ddp_notebook.cell.xray import RankCollectives
+from ddp_notebook.live.xray_readings import RankCollectives
 from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 
 

@@ -1,4 +1,4 @@
-"""How a cell's supervisor names the dead (cell/supervision.py), on the pure logic: the verdicts of
+"""How a cell's supervisor names the dead (world/supervision.py), on the pure logic: the verdicts of
 the watch connections to ranks on other hosts are given here; the real connections, hosts and
 links are in tests/test_multinode.py and the fault storm across hosts."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from ddp_notebook.cell import xray
-from ddp_notebook.cell.supervision import WorldSupervisor
 from ddp_notebook.wire.results import Death, RankInfo
+from ddp_notebook.world.supervision import WorldSupervisor
 
 
 class Verdicts:

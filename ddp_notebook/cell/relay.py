@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 from ..errors import RankFailure, one_line
+from ..live.xray_readings import RankCollectives
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
-from ..world.ipp_adapter import message_futures, on_io_thread, unwrap_exception
+from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .large_output import LargeOutput
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
-from .xray import Mismatch, MismatchWatch, RankCollectives
+from .xray import Mismatch, MismatchWatch
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0

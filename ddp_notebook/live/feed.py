@@ -21,8 +21,8 @@ from .aggregate import StepHeat, wants_aggregate
 from .stragglers import StepTimes, Straggler, find_straggler
 
 if TYPE_CHECKING:
-    from ..cell.xray import RankCollectives
     from ..wire.results import MemoryReading
+    from .xray_readings import RankCollectives
 
 # the notebook redraws a view at most this often (~10 Hz)
 REDRAW_SECONDS = 0.1

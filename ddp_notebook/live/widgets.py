@@ -20,12 +20,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from ..cell.large_output import grouped_lines
 from ..errors import GROUP_ABOVE, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import MEMORY_WARN_FRACTION, format_bytes
 from ..wire.channel import RunState
 from .aggregate import outlier_ranks, summarize_progress, wants_aggregate
 from .feed import BarState, Feed, RankState
+from .grouping import grouped_lines
 from .stragglers import PHASES
 
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..cell.supervision import WorldSupervisor
+from ..cell import ipp_adapter
 from ..wire.results import RankInfo
-from . import forming, ipp_adapter
+from . import forming
 from .controller import ControllerLink
 from .provisioning import Provisioner
+from .supervision import WorldSupervisor
 
 
 @dataclasses.dataclass
