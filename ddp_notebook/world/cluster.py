@@ -258,7 +258,7 @@ class DDPCluster:
             layout = forming.place(self.config, identities)
             forming.plan_routes(provisioner, layout, deadline)
             ranks = forming.join_process_group(client, self.config, layout, private_dir, deadline)
-            self._world = RunningWorld(provisioner, layout, ranks, private_dir)
+            self._world = RunningWorld.open(provisioner, layout, ranks, private_dir)
             self._syncer = file_sync.Syncer(os.getcwd())
         except BaseException as failure:
             self._teardown(provisioner, private_dir)
