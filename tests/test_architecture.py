@@ -347,6 +347,10 @@ _PRIVATE = {
         "._unwrap_exception",
         "stop_data",
         "._parse_date",
+        "._update_engines",
+        "_start_waiting",
+        "._stop_waiting",
+        "._wait_thread",
     ),
     "rank/ipykernel_adapter.py": ("._publish_execute_input",),
     "rank/torch_adapter.py": (
@@ -380,6 +384,35 @@ def test_a_dependencys_internals_only_in_its_adapter(adapter: str) -> None:
         offenders += [f"{path.relative_to(PACKAGE)}: {private}" for private in _PRIVATE[adapter] if private in text]
     assert offenders == []
     assert all(private in (PACKAGE / adapter).read_text() for private in _PRIVATE[adapter]), "a stale entry"
+
+
+# a kernel-side adapter sits in the lowest kernel folder that uses its dependency, so that every
+# folder that uses it reaches it in the folder order
+KERNEL_ADAPTERS = {"cell/ipp_adapter.py": "ipyparallel", "live/plotly_adapter.py": "plotly"}
+
+
+def imported_roots(tree: ast.Module) -> set[str]:
+    """The top-level packages a module imports (in functions too)."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add((node.module or "").split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize(("adapter", "dependency"), list(KERNEL_ADAPTERS.items()))
+def test_a_kernel_adapter_sits_in_the_lowest_folder_that_uses_its_dependency(adapter: str, dependency: str) -> None:
+    folder = adapter.split("/")[0]
+    users = {
+        side_of(_module_name(path))
+        for path in PACKAGE.rglob("*.py")
+        if dependency in imported_roots(ast.parse(path.read_text()))
+    }
+    assert folder in users
+    below = set(KERNEL_ORDER[KERNEL_ORDER.index(folder) + 1 :])
+    assert users & below == set(), f"{dependency} is used below {adapter}: move the adapter down"
 
 
 _MUTABLE_CALLS = {"dict", "set", "list", "deque", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict"}
