@@ -200,7 +200,7 @@ def hf_trainer(steps: int, warmup: int) -> Span:
 
 def fsdp2(steps: int, warmup: int) -> Span:
     import ddp_notebook
-    from ddp_notebook.rank.group import context
+    from ddp_notebook.rank.membership import context
 
     model = ddp_notebook.prepare_model(_Classifier(), shard=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

@@ -469,7 +469,8 @@ class Training(Scenario):
 
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
         result = subject.train(run.s.steps, run.s.warmup, run.s.threads)
-        return {k: result[k] for k in ("steps_per_s", "elapsed_s", "process_cpu_s", "torch_threads", "device")}
+        kept = ("steps_per_s", "elapsed_s", "process_cpu_s", "torch_threads", "device", "main_us_per_step")
+        return {k: result[k] for k in kept} | split_threads(result["threads_us_per_step"])
 
     def brief(self, sample: dict[str, Any]) -> str:
         idle = f"; the other side idle: {sample['others_cpu_pct']:.1f}% of a core" if "others_cpu_pct" in sample else ""
@@ -489,7 +490,40 @@ class Training(Scenario):
             rows.append([entry["label"], *(rate.get(k) for k in ("median", "min", "max")), fmt(of_medians, 3)])
             rows[-1] += [ratio_text(ratios), ",".join(map(str, threads))]
         print_table(["steps/s", "median", "min", "max", "x torchrun (medians)", "per pair", "threads"], rows)
+        print_thread_cost(results, summary)
         return summary
+
+
+# torch's own threads (a torchrun worker has them too): what a rank runs beside them is the tool's
+TORCH_THREADS = re.compile(r"^native (gloo|pt_|cuda|nccl|ncclProxy|torch)")
+
+
+def split_threads(threads: dict[str, float]) -> dict[str, Any]:
+    """A rank's background CPU per step: torch's own threads, and the rest (the tool's) by name."""
+    tool = {name: us for name, us in threads.items() if not TORCH_THREADS.match(name)}
+    return {
+        "torch_threads_us_per_step": sum(us for name, us in threads.items() if TORCH_THREADS.match(name)),
+        "tool_threads_us_per_step": sum(tool.values()),
+        "tool_threads": tool,
+    }
+
+
+def print_thread_cost(results: dict[str, Any], summary: dict[str, Any]) -> None:
+    """CPU per training step on rank 0 beside the user's code, the median of the runs: it does not move
+    with the machine's load the way steps/s does, so a regression shows here first."""
+    rows = []
+    for name, entry in results.items():
+        samples = entry["samples"]
+        medians = {
+            key: statistics.median(x[key] for x in samples)
+            for key in ("main_us_per_step", "torch_threads_us_per_step", "tool_threads_us_per_step")
+        }
+        names = sorted({n for x in samples for n in x["tool_threads"]})
+        top = {n: statistics.median(x["tool_threads"].get(n, 0.0) for x in samples) for n in names}
+        shown = ", ".join(f"{n} {us:.0f}" for n, us in sorted(top.items(), key=lambda item: -item[1])[:4] if us >= 0.5)
+        summary[name]["cpu_us_per_step"] = medians | {"tool_threads": top}
+        rows.append([entry["label"], *(f"{medians[k]:.0f}" for k in medians), shown or "-"])
+    print_table(["CPU us/step (rank 0)", "training thread", "torch's threads", "the tool's threads", "largest"], rows)
 
 
 class Failures(Scenario):

@@ -4,7 +4,7 @@ Run in a fresh process (`python -m tests.cuda_calls --out FILE ...`, from the re
 root). Right after `import torch` it replaces torch's CUDA entry points with recorders that
 pretend there are `--gpus` GPUs, then does what a GPU rank does: imports what a rank
 imports while it registers (`entrypoints._preload`), joins a one-rank world through
-`rank.init_world` (with the spec the notebook sends), heals once (`release_group`, then
+`membership.init_world` (with the spec the notebook sends), heals once (`release_group`, then
 `init_world` again) and runs the cell helpers. `init_process_group` is recorded with its
 arguments and then called for real on gloo without `device_id` (no NCCL here), so the store,
 the group and the heal are the real ones.
@@ -136,7 +136,7 @@ def _inject(kind: str) -> None:
         torch.set_num_threads = set_num_threads
 
 
-def _helpers(rank: Any) -> dict[str, Any]:
+def _helpers(membership: Any) -> dict[str, Any]:
     """What the cell helpers hand to torch: the model's device, DDP's device_ids, the barrier's."""
     import torch.distributed as dist
 
@@ -164,7 +164,7 @@ def _helpers(rank: Any) -> dict[str, Any]:
         helpers.prepare_model(Model())
         helpers.barrier()
         seen["loader_pin_memory"] = helpers.prepare_loader(list(range(8)), batch_size=2).pin_memory
-        seen["context_device"] = str(rank.context().device)
+        seen["context_device"] = str(membership.context().device)
     finally:
         torch.nn.parallel.DistributedDataParallel, dist.barrier = real_ddp, real_barrier  # type: ignore[misc]
     return seen
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         from ddp_notebook.rank import entrypoints
 
         entrypoints._preload()  # what a rank imports while it registers
-        from ddp_notebook.rank import group as rank
+        from ddp_notebook.rank import membership
         from ddp_notebook.wire.join import RankSpec
 
         _record_process_group()
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             local_world_size=args.local_world_size or args.local_rank + 1,
             group_rank=0,
             master_addr="127.0.0.1",
-            master_port=rank.open_rendezvous("127.0.0.1"),
+            master_port=membership.open_rendezvous("127.0.0.1"),
             backend=args.backend,
             timeout=30.0,
             threads=1,
@@ -217,16 +217,16 @@ def main(argv: list[str] | None = None) -> None:
             gpu=args.gpu,
             socket_ifname=None,
         )
-        joined = dataclasses.asdict(rank.init_world(spec))
+        joined = dataclasses.asdict(membership.init_world(spec))
         result["info"] = {k: v for k, v in joined.items() if k != "main_thread"}
         result["published"] = {
             name: str(shell.user_ns.get(name)) for name in ("rank", "world_size", "local_rank", "device")
         }
         CALLS.append(["heal"])
-        rank.release_group()
-        rank.init_world(dataclasses.replace(spec, master_port=rank.open_rendezvous("127.0.0.1")))
-        result["helpers"] = _helpers(rank)
-        rank.shutdown_world()
+        membership.release_group()
+        membership.init_world(dataclasses.replace(spec, master_port=membership.open_rendezvous("127.0.0.1")))
+        result["helpers"] = _helpers(membership)
+        membership.shutdown_world()
     except Exception as failure:  # noqa: BLE001  (the test reads the error from the result)
         result["error"] = f"{type(failure).__name__}: {failure}"
         result["traceback"] = traceback.format_exc()

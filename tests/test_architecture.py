@@ -118,7 +118,7 @@ def test_an_import_of_a_package_name_is_an_edge_to_the_package() -> None:
     graph = import_graph()
     # `from ddp_notebook.rank import group`: a module, not a name of ddp_notebook.rank
     assert "ddp_notebook.rank" not in graph["ddp_notebook.rank.calls"]
-    assert "ddp_notebook.rank.group" in graph["ddp_notebook.rank.calls"]
+    assert "ddp_notebook.rank.membership" in graph["ddp_notebook.rank.calls"]
     # `from .provisioning import Provisioner`: a name of the package's __init__
     assert "ddp_notebook.world.provisioning" in graph["ddp_notebook.world.running"]
 
@@ -250,7 +250,7 @@ def test_the_wire_and_the_platform_import_only_the_standard_library(folder: str)
 # what a rank process imports: its entry point, the rank side, the calls the notebook makes on it
 RANK_ENTRY = (
     "ddp_notebook.rank.entrypoints",
-    "ddp_notebook.rank.group",
+    "ddp_notebook.rank.membership",
     "ddp_notebook.rank.calls",
     "ddp_notebook.rank.elastic",
 )

@@ -121,22 +121,22 @@ def test_listed_gpus_reads_the_environment_only(monkeypatch: pytest.MonkeyPatch)
 
 def test_context_outside_a_world_uses_cuda_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (no ddp_notebook world), the helpers follow the same rule."""
-    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank import membership
     from ddp_notebook.rank.state import RANK
 
     monkeypatch.setattr(RANK.membership, "context", None)
-    monkeypatch.setattr(rank.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(rank.dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(rank.dist, "get_rank", lambda group=None: 3)
-    monkeypatch.setattr(rank.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(membership.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(membership.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(membership.dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(membership.dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert rank.context().device == torch.device("cuda", 1)
+    assert membership.context().device == torch.device("cuda", 1)
     # a launcher that masked each process to its one GPU: the device the script selected
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert rank.context().device == torch.device("cuda", 0)
+    assert membership.context().device == torch.device("cuda", 0)
 
 
 # ---------------------------------------------------------------- the start-up's CUDA calls, in order

@@ -244,7 +244,7 @@ def test_ddp_start_names_once_what_this_torch_lacks_and_status_names_the_xrays_s
     """Where torch keeps no flight recorder for gloo (torch 2.6), the X-ray's collectives come from
     the ranks' own record, which does not see DDP's gradient all-reduce; where its fully_shard
     cannot run on CPU, FSDP2 is off on CPU ranks: %ddp_start says each once."""
-    from ddp_notebook.rank.group import FSDP2_ON_CPU_LIMIT
+    from ddp_notebook.rank.membership import FSDP2_ON_CPU_LIMIT
     from ddp_notebook.rank.torch_adapter import fsdp2_on_cpu, native_flight_recorder
     from ddp_notebook.wire.xray_messages import OWN_RECORD_LIMIT
 

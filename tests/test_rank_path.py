@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddp_notebook.rank.group import without_repeats
+from ddp_notebook.rank.membership import without_repeats
 
 
 def test_repeated_entries_are_left_out_in_order() -> None:

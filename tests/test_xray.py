@@ -376,6 +376,23 @@ def test_the_slow_rank_is_named_with_its_phase_though_every_rank_takes_as_long()
     assert slow_data is not None and (slow_data.rank, slow_data.phase) == (1, "data")
 
 
+def test_the_live_panel_and_the_profiler_name_a_straggler_in_one_sentence() -> None:
+    from ddp_notebook.live.durations import milliseconds
+    from ddp_notebook.live.profile_analysis import TraceStraggler
+    from ddp_notebook.live.stragglers import Straggler
+
+    live = Straggler(rank=3, phase="compute", busy=0.0561, peers_busy=0.006).describe()
+    traced = TraceStraggler(rank=3, phase="compute", where="aten::mm", busy=0.0561, peers_busy=0.006).describe()
+    said = "rank 3 is the straggler: 56.1 ms per step outside communication vs 6.0 ms on the others (+50.1 ms, 9.3x)"
+    assert live == f"{said}, mostly in compute"
+    assert traced == f"{said}, mostly compute: aten::mm"
+    assert (milliseconds(0.0123), milliseconds(0.0123, unit=False), milliseconds(2e-5, digits=2)) == (
+        "12.3 ms",
+        "12.3",
+        "0.02 ms",
+    )
+
+
 def test_step_means_are_kept_in_constant_time_and_equal_the_windows_mean() -> None:
     clock = StepClock(window=5)
     steps = [{"total": 0.1 * n, "data": 0.01 * n, "compute": 0.02, "comm": 0.03 * (n % 3), "optimizer": 0.001}

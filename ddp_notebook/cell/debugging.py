@@ -18,7 +18,7 @@ from ..errors import DDPError, one_line
 from ..rank import calls as rank_calls
 from ..wire.xray_messages import DebugAnswer, debug_request, report_request
 from . import xray
-from .output import tag_lines
+from .output import rank_prefix, tag_lines
 
 # how long the rank gets to answer one line (pdb may run user code for it, e.g. `n` over a step)
 LINE_SECONDS = 35.0
@@ -46,13 +46,13 @@ def drive(
             answer = xray.ask(reach, rank, debug_request(None), timeout=LINE_SECONDS)
             continue
         try:
-            line = read_line(f"[rank {rank}] {PROMPT}")
+            line = read_line(f"{rank_prefix(rank)}{PROMPT}")
         except (KeyboardInterrupt, EOFError):
             xray.ask(reach, rank, debug_request("q"), timeout=LINE_SECONDS)
             raise KeyboardInterrupt from None
         except Exception as failure:  # noqa: BLE001  (no stdin here: nbclient, a script, ...)
             (out or sys.stderr).write(
-                f"[rank {rank}] pdb cannot ask here ({one_line(failure)}): continuing; "
+                f"{rank_prefix(rank)}pdb cannot ask here ({one_line(failure)}): continuing; "
                 "give the lines up front with ddp_notebook.breakpoint(rank, commands=[...])\n"
             )
             line = "c"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire.profiling import CLOCK_MARK, MemorySample
-from .stragglers import clear_straggler
+from .stragglers import clear_straggler, describe_straggler
 
 CATEGORIES = ("compute", "communication", "data", "optimizer", "idle")
 # where the training thread runs ops of several kinds at once, the innermost meaning wins in this order
@@ -118,12 +118,7 @@ class TraceStraggler:
     peers_busy: float  # the median of the others'
 
     def describe(self) -> str:
-        extra = self.busy - self.peers_busy
-        ratio = f", {self.busy / self.peers_busy:.1f}x" if self.peers_busy > 0 else ""
-        return (
-            f"rank {self.rank} is the straggler: {_ms(self.busy)} per step outside communication vs "
-            f"{_ms(self.peers_busy)} on the others (+{_ms(extra)}{ratio}), mostly {self.phase}: {self.where}"
-        )
+        return describe_straggler(self.rank, self.busy, self.peers_busy, f"{self.phase}: {self.where}")
 
 
 @dataclass
@@ -415,7 +410,3 @@ def _allocator_curve(events: list[dict[str, Any]], offset_us: float) -> list[tup
     points.sort()
     every = max(1, len(points) // MEMORY_POINTS)
     return points[::every] + (points[-1:] if points and (len(points) - 1) % every else [])
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"

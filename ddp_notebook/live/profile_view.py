@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .durations import milliseconds
 from .hta_analysis import HtaBreakdown
 from .profile_analysis import CATEGORIES, ProfileAnalysis, Segment
 
@@ -147,8 +148,8 @@ class ProfileReport:
         if len(busy) < 2:
             return ""
         return (
-            f"no straggler: every rank spends {min(busy) * 1000:.1f} to {max(busy) * 1000:.1f} ms per step "
-            "outside communication"
+            f"no straggler: every rank spends {milliseconds(min(busy), unit=False)} to {milliseconds(max(busy))} "
+            "per step outside communication"
         )
 
     def describe(self) -> str:
@@ -168,7 +169,7 @@ class ProfileReport:
                 f"[profile] rank {row['rank']}: {row['step ms']:.1f} ms/step over {row['steps']} steps ({parts} ms); "
                 f"communication overlapping compute {overlap}{memory}"
             )
-            top = "; ".join(f"{op.name} {op.self_seconds * 1000:.2f} ms" for op in r.top_ops[:TOP_SHOWN])
+            top = "; ".join(f"{op.name} {milliseconds(op.self_seconds, digits=2)}" for op in r.top_ops[:TOP_SHOWN])
             lines.append(f"[profile] rank {row['rank']} top ops by self time per step: {top}")
         for rank, path in sorted(self.files.items()):
             lines.append(f"[profile] rank {rank}: {path}")

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .durations import milliseconds
+
 # a rank is named only when it is this much slower than its peers' median, and by at least this much
 SLOWER_FACTOR = 1.2
 SLOWER_SECONDS = 0.002
@@ -42,8 +44,8 @@ class StepTimes:
         return self.total - self.comm
 
     def describe(self) -> str:
-        parts = ", ".join(f"{phase} {_ms(getattr(self, phase))}" for phase in PHASES)
-        return f"{_ms(self.total)}/step ({parts}) over {self.steps} steps"
+        parts = ", ".join(f"{phase} {milliseconds(getattr(self, phase))}" for phase in PHASES)
+        return f"{milliseconds(self.total)}/step ({parts}) over {self.steps} steps"
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,20 @@ class Straggler:
     def headline(self) -> str:
         """'rank 1 is the straggler: 1.6x, compute (+50.0 ms per step)', for the live view."""
         ratio = f"{self.busy / self.peers_busy:.1f}x, " if self.peers_busy > 0 else ""
-        return f"rank {self.rank} is the straggler: {ratio}{self.phase} (+{_ms(self.busy - self.peers_busy)} per step)"
+        extra = milliseconds(self.busy - self.peers_busy)
+        return f"rank {self.rank} is the straggler: {ratio}{self.phase} (+{extra} per step)"
 
     def describe(self) -> str:
-        extra = self.busy - self.peers_busy
-        ratio = f", {self.busy / self.peers_busy:.1f}x" if self.peers_busy > 0 else ""
-        return (
-            f"rank {self.rank} is the straggler: {_ms(self.busy)} per step outside communication vs "
-            f"{_ms(self.peers_busy)} on the others (+{_ms(extra)}{ratio}), mostly in {self.phase}"
-        )
+        return describe_straggler(self.rank, self.busy, self.peers_busy, f"in {self.phase}")
+
+
+def describe_straggler(rank: int, busy: float, peers_busy: float, mostly: str) -> str:
+    """The straggler in a sentence, from the live panel's step times or the profiler's traces alike."""
+    ratio = f", {busy / peers_busy:.1f}x" if peers_busy > 0 else ""
+    return (
+        f"rank {rank} is the straggler: {milliseconds(busy)} per step outside communication vs "
+        f"{milliseconds(peers_busy)} on the others (+{milliseconds(busy - peers_busy)}{ratio}), mostly {mostly}"
+    )
 
 
 def find_straggler(times: Mapping[int, StepTimes]) -> Straggler | None:
@@ -94,7 +101,3 @@ def clear_straggler(
         for phase, seconds in phases[slowest].items()
     }
     return slowest, max(excess, key=lambda phase: excess[phase]), busy[slowest], peers_busy
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f} ms"

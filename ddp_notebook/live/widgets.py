@@ -24,6 +24,7 @@ from ..errors import GROUP_ABOVE, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import MEMORY_WARN_FRACTION, format_bytes
 from ..wire.channel import RunState
 from .aggregate import outlier_ranks, summarize_progress, wants_aggregate
+from .durations import milliseconds
 from .feed import BarState, Feed, RankRow
 from .grouping import grouped_lines
 from .stragglers import PHASES
@@ -607,9 +608,9 @@ def steps_table(feed: Feed) -> str:
     rows = []
     for rank in sorted(times):
         t = times[rank]
-        cells = [f"{rank}", f"{t.steps}", _ms(t.total)]
+        cells = [f"{rank}", f"{t.steps}", milliseconds(t.total, unit=False)]
         for phase in PHASES:
-            cell = _ms(getattr(t, phase))
+            cell = milliseconds(getattr(t, phase), unit=False)
             if straggler is not None and straggler.rank == rank and straggler.phase == phase:
                 cell = f'<b style="color:{STATE_COLORS["failed"]}">{cell}</b>'
             cells.append(cell)
@@ -655,10 +656,6 @@ def _show_panel(panel: Any, value: str) -> None:
     display = "" if value else "none"
     if panel.layout.display != display:
         panel.layout.display = display
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f}"
 
 
 def _rank_color(rank: int) -> str:

@@ -36,21 +36,21 @@ def describe() -> Identity:
 
 
 def open_rendezvous(host: str) -> int:
-    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank import membership
 
-    return rank.open_rendezvous(host)
+    return membership.open_rendezvous(host)
 
 
 def init_world(spec: RankSpec) -> JoinReport:
-    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank import membership
 
-    return rank.init_world(spec)
+    return membership.init_world(spec)
 
 
 def release_group() -> None:
-    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank import membership
 
-    rank.release_group()
+    membership.release_group()
 
 
 def post_mortem() -> str:
@@ -60,9 +60,9 @@ def post_mortem() -> str:
 
 
 def shutdown_world() -> None:
-    from ddp_notebook.rank import group as rank
+    from ddp_notebook.rank import membership
 
-    rank.shutdown_world()
+    membership.shutdown_world()
 
 
 def source_address(destination: str) -> str | None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .group import context
 from .helpers import is_sharded
+from .membership import context
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, optimizer: Any = None) -> str | None:

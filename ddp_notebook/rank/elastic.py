@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..wire.join import RankSpec
-from . import channel, helpers, torch_adapter
-from . import group as rank_side
+from . import channel, helpers, membership, torch_adapter
 from .state import DEFAULT_SNAPSHOT_EVERY, RANK
 
 if TYPE_CHECKING:
@@ -197,7 +196,7 @@ def begin_replay(spec: RankSpec) -> None:
     in a process group of its own (collectives in setup cells see one rank); joining the
     world's group later moves models from `prepare_model` onto it."""
     # its own group's rendezvous is on its own host: MASTER_ADDR is rank 0's, maybe elsewhere
-    port = rank_side.open_rendezvous(LOOPBACK)
+    port = membership.open_rendezvous(LOOPBACK)
     alone = dataclasses.replace(
         spec,
         rank=0,
@@ -208,8 +207,8 @@ def begin_replay(spec: RankSpec) -> None:
         master_port=port,
         store_path=f"{spec.store_path}-alone{spec.rank}" if spec.store_path else None,
     )
-    rank_side.init_world(alone)
-    joined = rank_side.joined_context()
+    membership.init_world(alone)
+    joined = membership.joined_context()
     assert joined is not None  # init_world just set it
     context = dataclasses.replace(
         joined,
@@ -218,13 +217,13 @@ def begin_replay(spec: RankSpec) -> None:
         local_rank=spec.local_rank,
         local_world_size=spec.local_world_size,
     )
-    rank_side.become(context)
+    membership.become(context)
 
 
 def wrapped_models() -> dict[str, list[list[int]] | None]:
     """Names in the rank's namespace that hold a model from `prepare_model`, each with its gradient
     buckets' layout (None where the reducer has not rebuilt them yet)."""
-    wrappers = {id(wrapper): wrapper for wrapper in rank_side.wrappers()}
+    wrappers = {id(wrapper): wrapper for wrapper in membership.wrappers()}
     return {
         name: torch_adapter.ddp_bucket_layout(wrappers[id(value)])
         for name, value in sorted(_namespace().items())
@@ -507,7 +506,7 @@ def _reshard_if_needed(model: torch.nn.Module) -> None:
         if torch_adapter.fsdp_is_root(model) is not False:
             model.reset_iter_state()
         return
-    moved = sharding.reshard(model, rank_side.context().device)
+    moved = sharding.reshard(model, membership.context().device)
     candidates = [obj for obj in RANK.tracked.objects.values() if isinstance(obj, torch.optim.Optimizer)]
     candidates += [value for value in _namespace().values() if isinstance(value, torch.optim.Optimizer)]
     for optimizer in {id(o): o for o in candidates}.values():

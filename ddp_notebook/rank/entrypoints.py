@@ -99,7 +99,7 @@ def _preload() -> None:
     try:
         import torch._dynamo  # noqa: F401  (must come before the process group: see rank.release_group)
 
-        import ddp_notebook.rank.group  # noqa: F401  (imports torch and torch.distributed)
+        import ddp_notebook.rank.membership  # noqa: F401  (imports torch and torch.distributed)
     except Exception:  # noqa: BLE001
         # the same import runs again when the world is set up, and reports the error there
         pass

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import group as rank_side
+from . import membership
 
 
 def capture() -> dict[str, Any]:
@@ -45,7 +45,7 @@ def set_back(saved: dict[str, Any]) -> None:
 
 def _gpu() -> torch.device | None:
     """This rank's GPU, where it has one and CUDA is in use (never the first CUDA call)."""
-    context = rank_side.joined_context()
+    context = membership.joined_context()
     if context is None or context.device.type != "cuda" or not torch.cuda.is_initialized():
         return None
     return context.device

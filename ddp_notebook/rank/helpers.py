@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import timing
-from .group import context
+from .membership import context
 from .state import RANK
 
 

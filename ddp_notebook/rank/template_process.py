@@ -35,7 +35,7 @@ def _preload() -> None:
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     import ipykernel.debugger  # noqa: F401
 
-    import ddp_notebook.rank.group  # noqa: F401
+    import ddp_notebook.rank.membership  # noqa: F401
 
 
 def template_main(socket_path: str) -> None:

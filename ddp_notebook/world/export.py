@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import ddp_notebook
-from ddp_notebook.rank.group import context
+from ddp_notebook.rank.membership import context
 
 # ---- the world, as %ddp_start set it up: torchrun gives RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
 local_rank = int(os.environ["LOCAL_RANK"])

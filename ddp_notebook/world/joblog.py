@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..cell.output import rank_prefix
+
 _LINE = re.compile(r"^\s*(?:(?P<node>\d+): )?(?:\[rank (?P<rank>\d+)\]:)?(?P<text>.*)$")
 # torch prefixes an uncaught error on a rank with its own "[rankN]: ": the line is tagged already
 _TORCH_TAG = re.compile(r"^\[rank\d+\]: ?")
@@ -37,7 +39,7 @@ class LogLine:
     @property
     def tagged(self) -> str:
         if self.rank is not None:
-            return f"[rank {self.rank}] {self.text}"
+            return f"{rank_prefix(self.rank)}{self.text}"
         if self.node is not None:
             return f"[node {self.node}] {self.text}"
         return self.text
