@@ -1,5 +1,6 @@
 """The package's shape: no import circle (the package root's lazy edges included), a rank process
-that loads no kernel-side module, and dependency internals used in one adapter only."""
+that loads no kernel-side module, the kernel's folders importing in one direction, and dependency
+internals used in one adapter only."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool
     return False
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Runtime imports between the package's modules (lazy ones in functions included).
+def import_graph(type_imports: bool = False) -> dict[str, set[str]]:
+    """Runtime imports between the package's modules (lazy ones in functions included); with
+    `type_imports`, those under `if TYPE_CHECKING:` too (a module that names another's types
+    depends on them, though it never loads them).
 
     `from package import submodule` is an edge to the submodule alone (its package is imported
     first whatever the module is); an edge to a package means a name its `__init__` holds.
@@ -40,7 +43,7 @@ def import_graph() -> dict[str, set[str]]:
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(tree):
-            if _under_type_checking(node, parents):
+            if not type_imports and _under_type_checking(node, parents):
                 continue
             targets: list[str] = []
             if isinstance(node, ast.ImportFrom):
@@ -176,6 +179,50 @@ def test_the_rank_side_never_imports_the_kernel_side() -> None:
     assert crossing == []
 
 
+# The kernel's folders, highest first: a folder imports the folders after it, never one before it.
+# A world runs cells, a cell feeds what the notebook shows; what is shown knows no cell, a cell no world.
+KERNEL_ORDER = ("world", "cell", "live")
+
+
+def wrong_way_edges(graph: dict[str, set[str]]) -> list[str]:
+    """The imports from a kernel folder to one before it in KERNEL_ORDER."""
+    place = {folder: i for i, folder in enumerate(KERNEL_ORDER)}
+    return [
+        f"{name} -> {edge}"
+        for name in sorted(graph)
+        for edge in sorted(graph[name])
+        if side_of(name) in place and side_of(edge) in place and place[side_of(edge)] < place[side_of(name)]
+    ]
+
+
+def test_the_folder_order_finds_the_wrong_way_edges() -> None:
+    graph = {
+        f"ddp_notebook.{name}": {f"ddp_notebook.{edge}" for edge in edges}
+        for name, edges in {
+            "world.cluster": ("cell.relay", "live.feed", "world.state"),
+            "cell.relay": ("world.ipp_adapter", "live.feed", "wire.results"),
+            "live.feed": ("cell.xray", "live.stragglers"),
+            "magics": ("world.cluster",),
+        }.items()
+    }
+    assert wrong_way_edges(graph) == [
+        "ddp_notebook.cell.relay -> ddp_notebook.world.ipp_adapter",
+        "ddp_notebook.live.feed -> ddp_notebook.cell.xray",
+    ]
+
+
+def test_the_kernel_folders_import_in_one_direction() -> None:
+    """world -> cell -> live: a cell never imports a world, what the notebook shows never imports
+    a cell or a world; the names a module reads only for its type hints count too."""
+    graph = import_graph(type_imports=True)
+    # it sees the edges the rule allows, and those under TYPE_CHECKING
+    assert "ddp_notebook.cell.relay" in graph["ddp_notebook.world.cluster"]
+    assert "ddp_notebook.live.feed" in graph["ddp_notebook.world.cluster"]
+    assert "ddp_notebook.world.cluster" in graph["ddp_notebook.world.report"]
+    assert "ddp_notebook.world.cluster" not in import_graph()["ddp_notebook.world.report"]
+    assert wrong_way_edges(graph) == []
+
+
 @pytest.mark.parametrize("folder", [*STANDARD_LIBRARY_ONLY, "root"])
 def test_the_wire_and_the_platform_import_only_the_standard_library(folder: str) -> None:
     """The messages between the processes are plain values either side can load; the platform's
@@ -235,7 +282,7 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
         "wire.results",
         "world.state",
         "cell.output",
-        "world.ipp_adapter",
+        "cell.ipp_adapter",
         "rank.torch_adapter",
         "rank.ipykernel_adapter",
         "errors",
@@ -245,7 +292,7 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
 
 
 # each dependency's internals, in the folder of the side that uses that dependency
-ADAPTERS = ("world/ipp_adapter.py", "rank/torch_adapter.py", "rank/ipykernel_adapter.py", "live/plotly_adapter.py")
+ADAPTERS = ("cell/ipp_adapter.py", "rank/torch_adapter.py", "rank/ipykernel_adapter.py", "live/plotly_adapter.py")
 # the standard library's own functions spelled with an underscore (documented, public)
 _STDLIB_UNDERSCORED = {"os._exit", "sys._getframe", "sys._current_frames"}
 
@@ -291,7 +338,7 @@ def test_no_private_internals_outside_the_adapters() -> None:
 
 # the private attributes of each dependency this package reaches for, each set in its adapter
 _PRIVATE = {
-    "world/ipp_adapter.py": (
+    "cell/ipp_adapter.py": (
         "._children",
         "._io_loop",
         "._send(",
@@ -299,6 +346,10 @@ _PRIVATE = {
         "._unwrap_exception",
         "stop_data",
         "._parse_date",
+        "._update_engines",
+        "_start_waiting",
+        "._stop_waiting",
+        "._wait_thread",
     ),
     "rank/ipykernel_adapter.py": ("._publish_execute_input",),
     "rank/torch_adapter.py": (
@@ -332,6 +383,35 @@ def test_a_dependencys_internals_only_in_its_adapter(adapter: str) -> None:
         offenders += [f"{path.relative_to(PACKAGE)}: {private}" for private in _PRIVATE[adapter] if private in text]
     assert offenders == []
     assert all(private in (PACKAGE / adapter).read_text() for private in _PRIVATE[adapter]), "a stale entry"
+
+
+# a kernel-side adapter sits in the lowest kernel folder that uses its dependency, so that every
+# folder that uses it reaches it in the folder order
+KERNEL_ADAPTERS = {"cell/ipp_adapter.py": "ipyparallel", "live/plotly_adapter.py": "plotly"}
+
+
+def imported_roots(tree: ast.Module) -> set[str]:
+    """The top-level packages a module imports (in functions too)."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add((node.module or "").split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize(("adapter", "dependency"), list(KERNEL_ADAPTERS.items()))
+def test_a_kernel_adapter_sits_in_the_lowest_folder_that_uses_its_dependency(adapter: str, dependency: str) -> None:
+    folder = adapter.split("/")[0]
+    users = {
+        side_of(_module_name(path))
+        for path in PACKAGE.rglob("*.py")
+        if dependency in imported_roots(ast.parse(path.read_text()))
+    }
+    assert folder in users
+    below = set(KERNEL_ORDER[KERNEL_ORDER.index(folder) + 1 :])
+    assert users & below == set(), f"{dependency} is used below {adapter}: move the adapter down"
 
 
 _MUTABLE_CALLS = {"dict", "set", "list", "deque", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict"}

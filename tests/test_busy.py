@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook.cell import busy
-from ddp_notebook.cell.xray import RankCollectives
+from ddp_notebook.live.xray_readings import RankCollectives
 from tests.conftest import documented_magic_lines, wait_gone
 from tests.test_channel import waiting_in
 from tests.test_kernel import Kernel, kernel_world_pids

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from ddp_notebook.cell.xray import Collective, RankCollectives
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed, Metrics, Recorder
+from ddp_notebook.live.xray_readings import Collective, RankCollectives
 from ddp_notebook.rank.channel import Channel, Progress
 from ddp_notebook.wire.channel import FLUSH_SECONDS, KEPT_MESSAGES, MESSAGE_KEY, RankMessage, messages_in
 
@@ -497,17 +497,17 @@ def test_data_published_before_the_relay_listened_is_caught_up(clock: Clock) -> 
     """The cell relay replays the data ipyparallel folded into a message's metadata."""
     from types import SimpleNamespace
 
-    from ddp_notebook.cell.relay import CellRelay
+    from ddp_notebook.cell.relay import CellRelay, PublishedData
 
     sent: list[dict[str, Any]] = []
     Channel(publish=sent.append, clock=clock).log(None, {"loss": 1.0})
     metadata = {"stdout": "", "stderr": "", "outputs": [], "data": dict(sent[0])}
     relay = CellRelay(client=None, ranks=(0,))
     relay._catch_up(0, SimpleNamespace(output=SimpleNamespace(metadata=metadata)))
-    kind, rank, payload = relay._queue.get_nowait()
+    item = relay._queue.get_nowait()
+    assert isinstance(item, PublishedData) and item.rank == 0
     feed = Feed(None, clock=clock)
-    feed(rank, payload)
-    assert (kind, rank) == ("data", 0)
+    feed(item.rank, item.payload)
     assert feed.metrics.series("loss", 0) == ([0], [1.0])
 
 

@@ -1,4 +1,4 @@
-"""Each use of ipyparallel's private internals (ddp_notebook.world.ipp_adapter), and of ipykernel's on
+"""Each use of ipyparallel's private internals (ddp_notebook.cell.ipp_adapter), and of ipykernel's on
 a rank's side (ddp_notebook.rank.ipykernel_adapter), on real clusters.
 
 benchmarks/compat.py runs them on every ipyparallel and ipykernel of the supported ranges
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ddp_notebook import DDPCluster
-from ddp_notebook.world import ipp_adapter
+from ddp_notebook.cell import ipp_adapter
 from ddp_notebook.world.provisioning.local import engine_set_id
 
 pytestmark = [pytest.mark.integration, pytest.mark.core]

@@ -118,7 +118,7 @@ def test_rank_lists_past_their_limit_count_the_rest() -> None:
 
 
 def test_reports_group_ranks_that_say_the_same_at_every_size() -> None:
-    from ddp_notebook.cell.large_output import grouped_lines
+    from ddp_notebook.live.grouping import grouped_lines
 
     few = [(1, "in all_reduce #4"), (0, "in all_reduce #4"), (2, "running <module> (cell line 3)")]
     assert grouped_lines(few) == ["ranks 0-1: in all_reduce #4", "rank 2: running <module> (cell line 3)"]

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook.cell.relay import OutputSink
-from ddp_notebook.cell.supervision import MemoryWatch
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.platform import devices, limits
 from ddp_notebook.platform.limits import MIB, Cgroup, GpuInfo, MemoryLimit, OomCounts, Platform
@@ -23,6 +22,7 @@ from ddp_notebook.platform.processes import describe_exit
 from ddp_notebook.wire.results import MemoryReading, RankInfo, RankStatus
 from ddp_notebook.world.config import RANK_MEMORY_BYTES, WorldConfig
 from ddp_notebook.world.report import format_status
+from ddp_notebook.world.supervision import MemoryWatch
 from tests import memory_cgroup
 from tests.conftest import owned_pids, wait_gone
 
@@ -388,11 +388,11 @@ def test_status_shows_each_rank_against_the_limit() -> None:
 
 
 def test_the_live_status_table_has_a_memory_column() -> None:
-    from ddp_notebook.live.feed import Feed, RankState
+    from ddp_notebook.live.feed import Feed, RankRow
     from ddp_notebook.live.widgets import memory_header, status_table
 
     feed = Feed()
-    feed.ranks[0] = RankState(0)
+    feed.ranks[0] = RankRow(0)
     assert "memory" not in status_table(feed) and memory_header(feed) == ""
     feed.memory(MemoryReading({0: 300 * MIB}, 950 * MIB, 1000 * MIB, "this machine's 1,000 MiB"))
     assert "<th>memory</th>" in status_table(feed) and "<td>300 MiB (30%)</td>" in status_table(feed)

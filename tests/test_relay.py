@@ -11,8 +11,8 @@ from typing import Any
 
 from ddp_notebook.cell.outcome import Ending
 from ddp_notebook.cell.output import LineAssembler
-from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, CellRelay, OutputSink
-from ddp_notebook.cell.xray import RankCollectives
+from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, AllReplied, CellRelay, OutputSink, PublishedData
+from ddp_notebook.live.xray_readings import RankCollectives
 from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 
 
@@ -60,7 +60,7 @@ class Ranks:
             child.output.metadata["status"] = "ok"
         self.relay._went_idle(rank)
         if self.cell.ready():
-            self.relay._queue.put(("replied",))
+            self.relay._queue.put(AllReplied())
 
 
 @dataclass
@@ -257,8 +257,8 @@ def test_a_group_is_broken_when_a_rank_says_so_and_ours_keys_stay_out_of_the_use
     sink = _sink()
     seen: list[tuple[int, dict[str, Any]]] = []
     sink.data = lambda rank, payload: seen.append((rank, payload))  # type: ignore[method-assign]
-    relay._queue.put(("data", 1, {GROUP_BROKEN_KEY: True, SNAPSHOT_OWED_KEY: True, "loss": 0.5}))
-    relay._queue.put(("data", 2, {GROUP_BROKEN_KEY: True}))
+    relay._queue.put(PublishedData(1, {GROUP_BROKEN_KEY: True, SNAPSHOT_OWED_KEY: True, "loss": 0.5}))
+    relay._queue.put(PublishedData(2, {GROUP_BROKEN_KEY: True}))
     while not relay._queue.empty():
         relay._handle(relay._queue.get(), sink, LineAssembler())
     assert seen == [(1, {"loss": 0.5})]

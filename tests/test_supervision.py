@@ -1,17 +1,21 @@
-"""How a cell's supervisor names the dead (cell/supervision.py), on the pure logic: the verdicts of
+"""How a cell's supervisor names the dead (world/supervision.py), on the pure logic: the verdicts of
 the watch connections to ranks on other hosts are given here; the real connections, hosts and
 links are in tests/test_multinode.py and the fault storm across hosts."""
 
 from __future__ import annotations
 
+import os
+import socket
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ddp_notebook.cell import xray
-from ddp_notebook.cell.supervision import WorldSupervisor
 from ddp_notebook.wire.results import Death, RankInfo
+from ddp_notebook.world.running import RunningWorld
+from ddp_notebook.world.supervision import WorldSupervisor
 
 
 class Verdicts:
@@ -51,3 +55,29 @@ def test_a_silent_host_is_lost_with_every_rank_on_it(asked: tuple[int, ...]) -> 
 def test_a_rank_whose_process_ended_takes_no_other_rank_of_its_host_with_it() -> None:
     dead = supervisor({2: xray.ENDED}).find_dead((0, 1, 2, 3))
     assert list(dead) == [2] and isinstance(dead[2], Death) and dead[2].cause == "exited"
+
+
+def test_an_opened_world_is_supervised_with_its_rank_map_of_now(tmp_path: Path) -> None:
+    """`RunningWorld.open` connects a world's parts: its supervisor reads the rank map the world
+    has when asked, the one a heal or a comeback left as well."""
+    here = socket.gethostname()
+    first = {0: RankInfo(0, 10, here, 100, "", "", None), 1: RankInfo(1, 11, here, 101, "", "", None)}
+    provisioner = SimpleNamespace(
+        client=None,
+        controller_pid=os.getpid(),  # a controller that runs: the death check asks the processes
+        dead_ranks=lambda infos: {info.rank: Death("exited", f"pid {info.pid}") for info in infos},
+    )
+    world = RunningWorld.open(provisioner, None, first, str(tmp_path))  # type: ignore[arg-type]
+    assert world.controller.controller_pid == os.getpid() and world.supervisor.provisioner is provisioner
+    assert {rank: death.how for rank, death in world.supervisor.find_dead((0, 1, 2)).items()} == {
+        0: "pid 100",
+        1: "pid 101",
+    }
+    healed = {0: first[0], 1: RankInfo(1, 12, here, 102, "", "", None), 2: RankInfo(2, 13, here, 103, "", "", None)}
+    world.regrouped(healed)
+    assert {rank: death.how for rank, death in world.supervisor.find_dead((0, 1, 2)).items()} == {
+        0: "pid 100",
+        1: "pid 102",
+        2: "pid 103",
+    }
+    world.supervisor.close()

@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook import DDPCluster, RankError
-from ddp_notebook.cell.xray import (
-    Collective,
-    CollectiveMismatchError,
-    MismatchWatch,
-    RankCollectives,
-    Reach,
-    find_mismatch,
-)
+from ddp_notebook.cell.xray import CollectiveMismatchError, MismatchWatch, Reach, find_mismatch
 from ddp_notebook.live.stragglers import StepTimes, find_straggler
+from ddp_notebook.live.xray_readings import Collective, RankCollectives
 from ddp_notebook.rank.timing import StepClock
 from ddp_notebook.wire import xray as xray_wire
 from ddp_notebook.wire.results import RankInfo

@@ -1,3 +1,3 @@
-"""A cell in flight, in the notebook kernel: the relay of its messages, supervision of the
-ranks running it, rank-tagged output, how it ended, the X-ray reader and the debugger's
-notebook side."""
+"""A cell in flight, in the notebook kernel: the relay of its messages (what it asks of the world
+while it waits, a protocol the world answers), rank-tagged output, how it ended, the X-ray reader,
+the debugger's notebook side, ipyparallel's adapter. Imports `live/`, never `world/`."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from ..errors import name_ranks
-from .xray import RankCollectives
+from ..live.xray_readings import RankCollectives
 
 # what the next cell's refusal and a cell's report tell the user to do about busy ranks
 WHAT_TO_DO = "wait for them, stop them with %ddp_interrupt, or %ddp_restart"

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 from ..errors import RankFailure, one_line
+from ..live.xray_readings import RankCollectives
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
-from ..world.ipp_adapter import message_futures, on_io_thread, unwrap_exception
+from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .large_output import LargeOutput
 from .outcome import Ending
 from .output import LineAssembler, rank_prefix, tag_lines
-from .xray import Mismatch, MismatchWatch, RankCollectives
+from .xray import Mismatch, MismatchWatch
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0
@@ -54,6 +55,57 @@ PROGRESS_DRAW_SECONDS = 0.5
 
 # the keys of what our own rank code publishes (not the user's data)
 _OWN_KEYS = (SNAPSHOT_OWED_KEY, GROUP_BROKEN_KEY)
+
+
+# What the IO thread hands the waiting thread through the relay's queue: one value per message.
+
+
+@dataclass(frozen=True)
+class StreamText:
+    """A chunk of a rank's stdout or stderr (not whole lines: `LineAssembler` makes those)."""
+
+    rank: int
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Display:
+    """A rank's rich output (display_data), or an update of one it showed by its id."""
+
+    rank: int
+    content: dict[str, Any]
+    update: bool = False
+
+
+@dataclass(frozen=True)
+class ClearOutput:
+    """A rank cleared its output: its next display replaces its last one."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class PublishedData:
+    """What a rank published with ipyparallel's publish_data (the live view's messages, ours)."""
+
+    rank: int
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WentIdle:
+    """These ranks are idle: every message of theirs came before this."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllReplied:
+    """Every rank replied to the cell."""
+
+
+Relayed = StreamText | Display | ClearOutput | PublishedData | WentIdle | AllReplied
 
 
 class CellSupervisor(Protocol):
@@ -236,7 +288,7 @@ class CellRelay:
     def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
         self._client = client
         self._ranks = ranks
-        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._queue: queue.Queue[Relayed] = queue.Queue()
         self._async_result: Any = None
         self._futures: list[Any] = []  # the cell's message future on each rank, in `ranks` order
         self._idle: set[int] = set()  # ranks gone idle, as the waiting thread was told
@@ -268,7 +320,7 @@ class CellRelay:
                 future.output.add_done_callback(lambda _, rank=rank: self._went_idle(rank))
 
         on_io_thread(self._client, register)
-        async_result.add_done_callback(lambda _: self._queue.put(("replied",)))
+        async_result.add_done_callback(lambda _: self._queue.put(AllReplied()))
 
     def _went_idle(self, rank: int) -> None:
         """On the IO thread: `rank` is idle, all its output sent. The waiting thread is woken once,
@@ -277,41 +329,41 @@ class CellRelay:
         after every message of theirs, as each rank's own idle would be."""
         self._idle_seen.add(rank)
         if len(self._idle_seen) == len(self._ranks) or self.dead:
-            self._queue.put(("idle", tuple(self._idle_seen)))
+            self._queue.put(WentIdle(tuple(self._idle_seen)))
 
     def _tell_idle_so_far(self) -> None:
         """A rank was found dead: the survivors that went idle before (their wake-up waited for
         the last rank, which never comes) are told to the waiting thread, queued on the IO thread
         behind what it already handled."""
-        on_io_thread(self._client, lambda: self._queue.put(("idle", tuple(self._idle_seen))))
+        on_io_thread(self._client, lambda: self._queue.put(WentIdle(tuple(self._idle_seen))))
 
     def _catch_up(self, rank: int, future: Any) -> None:
         metadata = future.output.metadata
         for stream in ("stdout", "stderr"):
             if metadata[stream]:
-                self._queue.put(("stream", rank, stream, metadata[stream]))
+                self._queue.put(StreamText(rank, stream, metadata[stream]))
         for output in metadata["outputs"]:
-            self._queue.put(("display", rank, output, False))
+            self._queue.put(Display(rank, output))
         if metadata.get("data"):
             # published before we listened (ipyparallel keeps only the merge of such messages;
             # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
-            self._queue.put(("data", rank, dict(metadata["data"])))
+            self._queue.put(PublishedData(rank, dict(metadata["data"])))
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
         content = msg["content"]
         if kind == "stream":
-            self._queue.put(("stream", rank, content["name"], content["text"]))
+            self._queue.put(StreamText(rank, content["name"], content["text"]))
         elif kind in ("display_data", "update_display_data"):
-            self._queue.put(("display", rank, content, kind == "update_display_data"))
+            self._queue.put(Display(rank, content, kind == "update_display_data"))
         elif kind == "clear_output":
-            self._queue.put(("clear", rank))
+            self._queue.put(ClearOutput(rank))
         elif kind == "data_message":
             # what a rank published with ipyparallel's publish_data: plain data, signed message
             from ipyparallel.serialize import deserialize_object
 
             payload, _ = deserialize_object(msg["buffers"])
-            self._queue.put(("data", rank, payload))
+            self._queue.put(PublishedData(rank, payload))
 
     def wait(self, sink: OutputSink, timeout: float | None, supervisor: CellSupervisor) -> Ending:
         """Relay output until every rank is done; say why the wait ended.
@@ -495,7 +547,7 @@ class CellRelay:
         clock.stop_at = now + INTERRUPT_GRACE_SECONDS
         clock.release_at = now + RELEASE_AFTER_SECONDS
 
-    def _handle_all(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler, clock: _WaitClock) -> None:
+    def _handle_all(self, item: Relayed, sink: OutputSink, assembler: LineAssembler, clock: _WaitClock) -> None:
         # drain whatever else is queued before writing, so output goes out in batches
         while True:
             replied = self._handle(item, sink, assembler)
@@ -507,26 +559,25 @@ class CellRelay:
                 break
         sink.flush()
 
-    def _handle(self, item: tuple[Any, ...], sink: OutputSink, assembler: LineAssembler) -> bool:
+    def _handle(self, item: Relayed, sink: OutputSink, assembler: LineAssembler) -> bool:
         """Deal with one queued message; True when it says every rank replied."""
-        kind = item[0]
-        if kind == "stream":
-            _, rank, stream, text = item
-            sink.write(rank, stream, assembler.feed(rank, stream, text))
-        elif kind == "display":
-            _, rank, content, update = item
-            self._displays.show(rank, content, update)
-        elif kind == "clear":
-            self._displays.clear(item[1])
-        elif kind == "data":
-            _, rank, payload = item
-            if SNAPSHOT_OWED_KEY in payload or GROUP_BROKEN_KEY in payload:  # ours, read after the cell
-                payload = {key: value for key, value in payload.items() if key not in _OWN_KEYS}
-            if payload:
-                sink.data(rank, payload)
-        elif kind == "idle":
-            self._idle.update(item[1])
-        return kind == "replied"
+        match item:
+            case StreamText(rank, stream, text):
+                sink.write(rank, stream, assembler.feed(rank, stream, text))
+            case Display(rank, content, update):
+                self._displays.show(rank, content, update)
+            case ClearOutput(rank):
+                self._displays.clear(rank)
+            case PublishedData(rank, payload):
+                if SNAPSHOT_OWED_KEY in payload or GROUP_BROKEN_KEY in payload:  # ours, read after the cell
+                    payload = {key: value for key, value in payload.items() if key not in _OWN_KEYS}
+                if payload:
+                    sink.data(rank, payload)
+            case WentIdle(ranks):
+                self._idle.update(ranks)
+            case AllReplied():
+                return True
+        return False
 
     def _survivors_done(self) -> bool:
         children = zip(self._ranks, self._futures)

@@ -4,7 +4,8 @@ Each rank answers from a thread of its own (`xray_rank`), so it answers while it
 a collective: a rank on this host on a Unix socket in the world's private directory, a rank on
 another host over TCP, each line signed with the world's key (`xray_wire`). From the answers:
 per rank the last collectives (op, sequence number, shapes) from torch's flight recorder, the
-one it waits in, for how long, and its cell line.
+one it waits in, for how long, and its cell line (`live.xray_readings`: the readings as data,
+which the live view draws too).
 
 `MismatchWatch` turns repeated readings into a verdict: ranks blocked in collectives that
 cannot match (different sequence numbers, ops or shapes), or ranks blocked in a collective
@@ -26,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GROUP_ABOVE, RankError, RankFailure, group_ranks, name_ranks
-from ..live.stragglers import StepTimes, find_straggler
+from ..live.grouping import grouped_waits, seconds_range
+from ..live.stragglers import find_straggler
+from ..live.xray_readings import RankCollectives, parse_report
 from ..wire import xray as xray_wire
 from ..wire import xray_messages as messages
 from ..wire.results import RankInfo
-from .large_output import grouped_waits, seconds_range
 
 # how long one rank may take to answer (it answers from a thread of its own, in microseconds)
 ANSWER_SECONDS = 1.0
@@ -46,95 +48,6 @@ WATCH_CONNECT_SECONDS = 0.5
 # (about 5 s; the controller's heartbeat takes 10 s to drop a rank)
 KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES = 2, 1, 3
 WATCH_SILENT_SECONDS = KEEPALIVE_IDLE_SECONDS + KEEPALIVE_INTERVAL_SECONDS * KEEPALIVE_PROBES
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a rank issued on the default group, as torch's flight recorder saw it."""
-
-    seq: int
-    op: str
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    done: bool
-    created_ns: int
-
-    def describe(self) -> str:
-        shapes = ", ".join("[" + ", ".join(map(str, shape)) + "]" for shape in self.shapes)
-        return f"{self.op} #{self.seq} {shapes}".rstrip()
-
-    def signature(self) -> tuple[int, str, tuple[tuple[int, ...], ...]]:
-        return (self.seq, self.op, self.shapes)
-
-
-@dataclass(frozen=True)
-class RankCollectives:
-    """What one rank said about its collectives at one moment."""
-
-    rank: int
-    history: tuple[Collective, ...]  # oldest first; the last few finished ones, then the running ones
-    cell_line: int | None  # the line of the cell its main thread is on
-    in_cell: bool
-    now_ns: int  # the rank's clock when it answered
-    steps: StepTimes | None = None  # its recent training steps, phase by phase (`timing`)
-    memory: Mapping[str, int] = field(default_factory=dict)  # rss, and cuda_* where it uses a GPU
-    debugger: bool = False  # a pdb session on it waits for the user
-    last_done: int = 0  # the sequence number of its last finished collective (also when history is empty)
-
-    @property
-    def current(self) -> Collective | None:
-        """The collective the rank waits in (the oldest one not finished), or None."""
-        return next((c for c in self.history if not c.done), None)
-
-    @property
-    def last_seq(self) -> int:
-        return max([c.seq for c in self.history] + [self.last_done])
-
-    @property
-    def waited(self) -> float:
-        current = self.current
-        return 0.0 if current is None else max(0.0, (self.now_ns - current.created_ns) / 1e9)
-
-    def describe(self, waited: bool = True) -> str:
-        """One line: where the rank is (and how long it waited there), then its last finished collectives."""
-        current = self.current
-        line = f" (cell line {self.cell_line})" if self.cell_line is not None else ""
-        if current is not None:
-            head = f"in {current.describe()}{line}" + (f", waiting {self.waited:.1f} s" if waited else "")
-        elif self.in_cell:
-            head = f"running the cell{line}, in no collective"
-        else:
-            head = "idle"
-        finished = [c for c in self.history if c.done][-3:]
-        if finished:
-            head += "; last: " + ", ".join(c.describe() for c in finished)
-        return head
-
-
-def parse_report(rank: int, answer: messages.ReportAnswer) -> RankCollectives:
-    history = tuple(
-        Collective(
-            seq=int(entry["seq"]),
-            op=str(entry["op"]),
-            shapes=tuple(tuple(int(n) for n in shape) for shape in entry.get("shapes", ())),
-            dtypes=tuple(str(d) for d in entry.get("dtypes", ())),
-            done=bool(entry.get("retired")),
-            created_ns=int(entry.get("created_ns", 0)),
-        )
-        for entry in answer.get("entries", ())
-    )
-    line = answer.get("cell_line")
-    return RankCollectives(
-        rank=rank,
-        history=history,
-        cell_line=int(line) if line is not None else None,
-        in_cell=bool(answer.get("in_cell")),
-        now_ns=int(answer.get("now_ns", 0)),
-        steps=StepTimes.parse(answer.get("steps")),
-        memory={str(k): int(v) for k, v in (answer.get("memory") or {}).items()},
-        debugger=bool(answer.get("debugger")),
-        last_done=int(answer.get("last_done") or 0),
-    )
 
 
 @dataclass(frozen=True)

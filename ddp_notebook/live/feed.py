@@ -21,8 +21,8 @@ from .aggregate import StepHeat, wants_aggregate
 from .stragglers import StepTimes, Straggler, find_straggler
 
 if TYPE_CHECKING:
-    from ..cell.xray import RankCollectives
     from ..wire.results import MemoryReading
+    from .xray_readings import RankCollectives
 
 # the notebook redraws a view at most this often (~10 Hz)
 REDRAW_SECONDS = 0.1
@@ -152,8 +152,8 @@ class BarState:
 
 
 @dataclass
-class RankState:
-    """One row of the status table."""
+class RankRow:
+    """One rank's row of the status table: how far it got in the cell, as its messages say."""
 
     rank: int
     state: RunState = "running"
@@ -210,7 +210,7 @@ class Feed:
         self.metrics = previous.metrics if previous is not None else Metrics()
         self.view: View | None = None
         self.bars: dict[tuple[int, int], BarState] = {}
-        self.ranks: dict[int, RankState] = {}
+        self.ranks: dict[int, RankRow] = {}
         self.received = 0  # our messages so far
         self.started = clock()
         self.elapsed = 0.0
@@ -328,7 +328,7 @@ class Feed:
     def _apply(self, rank: int, message: RankMessage) -> None:
         state = self.ranks.get(rank)
         if state is None:
-            state = self.ranks[rank] = RankState(rank)
+            state = self.ranks[rank] = RankRow(rank)
         if message["seq"] > state.seq + 1:
             state.lost += message["seq"] - state.seq - 1
         state.seq = message["seq"]

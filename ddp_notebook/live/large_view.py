@@ -23,10 +23,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..cell.large_output import grouped_waits
 from ..errors import RUNS_SHOWN, count_ranks, rank_ranges
 from .aggregate import band, outlier_ranks, summarize_progress, wants_aggregate
 from .feed import Feed, View
+from .grouping import grouped_waits
 from .widgets import (
     STATE_COLORS,
     LiveView,

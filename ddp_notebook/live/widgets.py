@@ -20,13 +20,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from ..cell.large_output import grouped_lines
 from ..errors import GROUP_ABOVE, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import MEMORY_WARN_FRACTION, format_bytes
 from ..wire.channel import RunState
 from .aggregate import outlier_ranks, summarize_progress, wants_aggregate
 from .durations import milliseconds
-from .feed import BarState, Feed, RankState
+from .feed import BarState, Feed, RankRow
+from .grouping import grouped_lines
 from .stragglers import PHASES
 
 # while the cell runs, a curve longer than this is drawn with every k-th point (and its
@@ -579,7 +579,7 @@ def status_table(feed: Feed) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ["rank", "state", "steps", "steps/s", "time", *memory, *names])
     rows = []
     for rank in sorted(feed.ranks):
-        state: RankState = feed.ranks[rank]
+        state: RankRow = feed.ranks[rank]
         color = STATE_COLORS.get(state.state, "inherit")
         cells = [
             f"{rank}",

@@ -25,7 +25,6 @@ from ..cell import debugging, large_output, xray
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.profiling import ProfiledCell, ProfileSettings
 from ..cell.relay import CellRelay, OutputSink
-from ..cell.supervision import RELEASE_SECONDS
 from ..cell.syntax import check_syntax
 from ..errors import (
     DDPError,
@@ -52,6 +51,7 @@ from .controller import QUERY_SECONDS
 from .export import CellRecord
 from .running import RunningWorld
 from .state import WorldLifecycle, WorldState
+from .supervision import RELEASE_SECONDS
 
 LEAVE_GROUP_SECONDS = 3.0
 PULL_SECONDS = 60.0
@@ -258,7 +258,7 @@ class DDPCluster:
             layout = forming.place(self.config, identities)
             forming.plan_routes(provisioner, layout, deadline)
             ranks = forming.join_process_group(client, self.config, layout, private_dir, deadline)
-            self._world = RunningWorld(provisioner, layout, ranks, private_dir)
+            self._world = RunningWorld.open(provisioner, layout, ranks, private_dir)
             self._syncer = file_sync.Syncer(os.getcwd())
         except BaseException as failure:
             self._teardown(provisioner, private_dir)

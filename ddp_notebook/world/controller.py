@@ -11,10 +11,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ..cell.ipp_adapter import send_queue_request
 from ..errors import DDPError, one_line
 from ..platform import processes
 from ..wire.results import RankInfo
-from .ipp_adapter import send_queue_request
 
 # how often a running cell checks that the controller is still there, and how long it may take to answer
 CONTROLLER_CHECK_SECONDS = 2.0

@@ -14,13 +14,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cell import ipp_adapter
 from ..errors import InsecureNetworkWarning, StartError, one_line
 from ..platform import network
 from ..rank import calls as rank_calls
 from ..wire import xray as xray_wire
 from ..wire.join import Identity, JoinReport, RankSpec
 from ..wire.results import RankInfo
-from . import ipp_adapter, layout
+from . import layout
 from .config import WorldConfig, is_loopback
 from .provisioning import Provisioner
 

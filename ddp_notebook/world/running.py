@@ -11,33 +11,45 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..cell.supervision import WorldSupervisor
+from ..cell import ipp_adapter
 from ..wire.results import RankInfo
-from . import forming, ipp_adapter
+from . import forming
 from .controller import ControllerLink
 from .provisioning import Provisioner
+from .supervision import WorldSupervisor
 
 
 @dataclasses.dataclass
 class RunningWorld:
-    """One world's running parts, from the moment its process group formed until it stops."""
+    """One world's running parts, from the moment its process group formed until it stops.
+
+    Made by `open`, which connects the parts: the value itself starts nothing.
+    """
 
     provisioner: Provisioner  # owns every process of the world (the only one that signals them)
     layout: forming.WorldLayout  # where each rank runs, the backend, the routes to rank 0
     ranks: dict[int, RankInfo]  # rank -> who it is now (changes when the world heals or a rank comes back)
     private_dir: str  # files only this user may read: the world's key, the ranks' stack dumps
+    controller: ControllerLink  # questions to the world's controller, each with a time limit
+    supervisor: WorldSupervisor  # what a cell's relay asks about the world while it waits
     # the cells that set a rank up (%%ddp --setup), replayed on a rank that replaces a dead one
     setup_cells: list[str] = dataclasses.field(default_factory=list)
-    controller: ControllerLink = dataclasses.field(init=False)
-    supervisor: WorldSupervisor = dataclasses.field(init=False)
     _views: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict, init=False)
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def open(
+        cls, provisioner: Provisioner, layout: forming.WorldLayout, ranks: dict[int, RankInfo], private_dir: str
+    ) -> RunningWorld:
+        """The running parts of a world whose process group just formed: its controller link, and a
+        supervisor watching its ranks (on other hosts, a watch connection to each from now on)."""
         ipp_adapter.parse_reply_dates_quickly()  # once per kernel: a tenth of a large world's round trip
-        self.controller = ControllerLink(self.provisioner.client, self.provisioner.controller_pid)
+        controller = ControllerLink(provisioner.client, provisioner.controller_pid)
+        world: RunningWorld
         # the supervisor reads the rank map as it is when asked: it changes as the world heals
-        self.supervisor = WorldSupervisor(self.provisioner, self.controller, lambda: self.ranks, self.private_dir)
-        self.supervisor.watch_ranks()
+        supervisor = WorldSupervisor(provisioner, controller, lambda: world.ranks, private_dir)
+        world = cls(provisioner, layout, ranks, private_dir, controller, supervisor)
+        supervisor.watch_ranks()
+        return world
 
     @property
     def client(self) -> Any:

@@ -9,9 +9,9 @@ import sys
 import time
 from typing import Any
 
+from ...cell.ipp_adapter import recorded_exit
 from ...platform import processes
 from ...platform.cluster_files import remove_cluster_files
-from ..ipp_adapter import recorded_exit
 from .base import Provisioner
 
 log = logging.getLogger("ddp_notebook")

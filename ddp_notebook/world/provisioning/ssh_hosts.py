@@ -44,8 +44,8 @@ from typing import Any, ClassVar
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 from traitlets import Integer
 
+from ...cell.ipp_adapter import WatchedExit
 from ...platform.processes import SLOT_ENV
-from ..ipp_adapter import WatchedExit
 
 log = logging.getLogger("ddp_notebook")
 

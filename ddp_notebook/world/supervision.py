@@ -1,7 +1,8 @@
 """Watching a running world on behalf of a cell: dead ranks, interrupts, stuck ranks, releases.
 
-The relay asks these questions while it waits for a cell (`relay.CellSupervisor`); the
-answers come from the provisioner (processes), the controller link and the ranks themselves.
+The relay asks these questions while it waits for a cell (`cell.relay.CellSupervisor`, which
+this answers without the relay knowing a world); the answers come from the provisioner
+(processes), the controller link and the ranks themselves.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..cell import debugging, xray
+from ..live.grouping import grouped_waits
+from ..live.xray_readings import RankCollectives
 from ..platform import limits
 from ..platform.limits import MEMORY_REARM_FRACTION, MEMORY_WARN_FRACTION
 from ..rank import calls as rank_calls
 from ..wire import stacks
 from ..wire.results import Death, MemoryReading, RankInfo
-from ..world.controller import ControllerLink
-from ..world.provisioning import Provisioner
-from . import debugging, xray
-from .large_output import grouped_waits
+from .controller import ControllerLink
+from .provisioning import Provisioner
 
 log = logging.getLogger("ddp_notebook")
 # how long ranks get to let go of their process group (models move to a placeholder group first)
@@ -206,7 +208,7 @@ class WorldSupervisor:
         # the ranks in the same place share a line at every size, their waits as a range
         return "\n".join(grouped_waits(places))
 
-    def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, xray.RankCollectives]:
+    def collectives(self, ranks: tuple[int, ...], full: bool = False) -> dict[int, RankCollectives]:
         """The collective X-ray of `ranks` (answered while they are blocked); light unless `full`
         (see xray.read_ranks)."""
         reach = self.reach()
