@@ -4,7 +4,7 @@ Before the cell is sent: a rank lost while the world was idle is gone on after, 
 files are synced where the ranks work elsewhere, the live feed gets its tracker run, the profiler
 starts. Then a `CellRelay` carries the cell's messages to an `OutputSink` while the supervisor
 watches the ranks, and what the relay saw becomes a `CellOutcome`: a lost rank is gone on after
-(`DDPCluster`'s loss policy), a broken group set up again, the cell recorded for `%ddp_export`, a
+(the loss policy, `comeback.recover`), a broken group set up again, the cell recorded for `%ddp_export`, a
 setup cell kept for new ranks, a sharded model's snapshot taken on every rank.
 Notebook side (no torch).
 """

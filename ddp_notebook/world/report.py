@@ -76,11 +76,7 @@ def describe_layout(ranks: Sequence[RankInfo]) -> str:
     by_host: dict[str, list[int]] = {}
     for info in ranks:
         by_host.setdefault(info.host, []).append(info.rank)
-    parts = []
-    for host, numbers in by_host.items():
-        span = f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]}-{numbers[-1]}"
-        parts.append(f"{host}: {span}")
-    return ", ".join(parts)
+    return ", ".join(f"{host}: {name_ranks(numbers)}" for host, numbers in by_host.items())
 
 
 def _mb(value: float | None) -> str:
