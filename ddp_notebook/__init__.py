@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .rank.helpers import barrier, is_main, prepare_loader, prepare_model, shard_model
     from .rank.strict import check_collectives
     from .wire.results import CellResult, RankInfo, RankStatus
+    from .world.cell_request import CellRequest
     from .world.cluster import DDPCluster
     from .world.config import WorldConfig
     from .world.state import WorldState
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "DDPCluster": "world.cluster",
     "WorldConfig": "world.config",
+    "CellRequest": "world.cell_request",
     "CellOutcome": "cell.outcome",
     "Ending": "cell.outcome",
     "CellResult": "wire.results",
@@ -94,6 +96,7 @@ _HOMES = {
 __all__ = [
     "CellInterruptedError",
     "CellOutcome",
+    "CellRequest",
     "CellResult",
     "CellTimeoutError",
     "CollectiveMismatchError",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -259,6 +260,29 @@ def one_line(failure: BaseException) -> str:
         return f"{ename}: {evalue}" if evalue else str(ename)
     text = str(failure).strip().splitlines()
     return text[-1] if text else type(failure).__name__
+
+
+@contextmanager
+def failing_as(
+    doing: str,
+    then: str = "",
+    *,
+    error: type[DDPError] = DDPError,
+    keep_ddp_errors: bool = False,
+    chained: bool = False,
+) -> Iterator[None]:
+    """Whatever fails inside, said as one `error`: "could not {doing}: {what failed}{then}" (a remote
+    failure as the rank raised it, `one_line`). A DDPError keeps its own words after the prefix, or
+    goes through as it is with `keep_ddp_errors`; KeyboardInterrupt always goes through. With
+    `chained`, the failure stays the error's cause (its traceback is shown under the line)."""
+    try:
+        yield
+    except DDPError as failure:
+        if keep_ddp_errors:
+            raise
+        raise error(f"could not {doing}: {failure}{then}") from (failure if chained else None)
+    except Exception as failure:  # noqa: BLE001  (any failure is said as one line)
+        raise error(f"could not {doing}: {one_line(failure)}{then}") from (failure if chained else None)
 
 
 class InsecureNetworkWarning(UserWarning):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ddp_notebook.wire.results import CellResult
 from ddp_notebook.world.report import format_values, table
 
@@ -58,3 +60,29 @@ def test_a_large_worlds_xray_is_grouped_by_collective_and_cell_line() -> None:
         "ranks 0-8, 10-63 (63 ranks): in all_reduce #412 [4] (cell line 7) (waiting 4.0-4.6 s)",
         "rank 9: running the cell (cell line 3), in no collective",
     ]
+
+
+def test_a_failure_inside_failing_as_is_one_line_of_the_error_asked_for() -> None:
+    from ddp_notebook.errors import DDPError, StartError, failing_as
+
+    class Remote(Exception):  # a rank's exception as ipyparallel relays it
+        ename, evalue = "RuntimeError", "Connection closed by peer"
+
+    with pytest.raises(DDPError) as caught, failing_as("roll back", "; %ddp_restart"):
+        raise Remote("traceback\nlines")
+    assert str(caught.value) == "could not roll back: RuntimeError: Connection closed by peer; %ddp_restart"
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    with pytest.raises(DDPError) as caught, failing_as("resize the world to 3 ranks"):
+        raise DDPError("the new rank 2 did not answer")
+    assert str(caught.value) == "could not resize the world to 3 ranks: the new rank 2 did not answer"
+    # a DDPError kept as it is, another failure chained under the error asked for
+    kept = DDPError("the rank 1 was lost")
+    with pytest.raises(DDPError) as caught, failing_as("start the world", keep_ddp_errors=True):
+        raise kept
+    assert caught.value is kept
+    with pytest.raises(StartError) as started, failing_as("start the world", error=StartError, chained=True):
+        raise OSError("no such file")
+    assert str(started.value) == "could not start the world: no such file"
+    assert isinstance(started.value.__cause__, OSError)
+    with pytest.raises(KeyboardInterrupt), failing_as("start the world", error=StartError):
+        raise KeyboardInterrupt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -98,6 +99,24 @@ def test_rank_selection(world: DDPCluster, capsys: pytest.CaptureFixture[str]) -
         world.execute("x = 1", ranks="7")
     with pytest.raises(DDPUsageError, match="this world has ranks 0-1"):
         world.execute("x = 1", ranks=[0, 5])
+
+
+def test_a_cell_request_built_once_runs_as_its_code_with_options(
+    world: DDPCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    request = world.cell_request("print('built', rank)\nrank + 100", "1", stream=False)
+    assert request.ranks == (1,) and request.world_size == 2
+    result = world.execute(request)
+    assert capsys.readouterr().out == ""
+    assert result.stdout == {1: "built 1\n"} and result.value_text(1) == "101"
+    assert world.run(request).ok
+    with pytest.raises(TypeError, match="give a CellRequest or a cell's code with options, not both"):
+        world.execute(request, stream=True)
+    stale = dataclasses.replace(request, world_size=4)
+    with pytest.raises(DDPUsageError, match="checked against a world of 4 ranks; this world has 2"):
+        world.run(stale)
+    with pytest.raises(DDPUsageError, match="this world has ranks 0-1"):
+        world.cell_request("x = 1", "5")
 
 
 def test_a_raising_rank_is_named_with_its_traceback(world: DDPCluster) -> None:

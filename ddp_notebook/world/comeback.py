@@ -3,15 +3,18 @@ the same size, and every rank brought to the last snapshot of the tracked state.
 without it (`shrink`) and resizing a world (`resize`) are the same steps with ranks left out,
 added or ended.
 
-Notebook side (no torch). `DDPCluster` calls `bring_back` or `shrink` when a cell found a rank's
-process gone (as `on_loss` says), and `resize` for `DDPCluster.resize`, each on its
-`RunningWorld` (whose layout they change in place; the caller takes the new rank map); the rank
-side of all three is `rank/elastic.py`.
+Notebook side (no torch). `recover` is the loss policy: when a cell (or a push, a pull) found a
+rank's process gone, it goes on as `on_loss` says (`bring_back`, `shrink`, or stop) within
+`max_restarts`, and returns a `Recovery` saying what it did (`report.describe_recovery` words
+it). `resize` and `rollback` serve `DDPCluster.resize` and `.rollback`. Each works on a
+`RunningWorld` (whose layout they change in place); the rank side of all of them is
+`rank/elastic.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +39,94 @@ class Comeback:
     ranks: dict[int, RankInfo]  # the new rank map
     seconds: float
     resumed_from: str | None  # where the restored snapshot was taken; None when nothing is tracked
+
+
+class Recovered(str, enum.Enum):
+    """What the world did after a loss."""
+
+    REPLACED = "replaced"  # new processes took the lost ranks' places
+    SHRUNK = "shrunk"  # the survivors went on as a smaller world
+    STOPS = "stops"  # on_loss='stop': the world is broken
+    NO_RESTARTS_LEFT = "no restarts left"  # past max_restarts: the world is broken
+    CANNOT_START_RANKS = "cannot start ranks"  # replace asked of a launcher that starts none
+    FAILED = "failed"  # the comeback itself failed: the world is broken
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What `recover` did after `lost` were lost, with what a report says of it."""
+
+    how: Recovered
+    lost: Mapping[int, Death]
+    restarts: int  # lost ranks the world went on after so far, these included where it tried
+    max_restarts: int
+    size_before: int  # ranks before the loss
+    comeback: Comeback | None = None  # the new world (REPLACED, SHRUNK)
+    setup_cells: int = 0  # the setup cells replayed on the new processes (REPLACED)
+    launcher: str = ""  # the world's launcher (CANNOT_START_RANKS)
+    failure: str = ""  # what went wrong, one line (FAILED)
+    policy: str = ""  # replace, shrink or stop
+
+    @property
+    def went_on(self) -> bool:
+        """The world runs on; otherwise it is broken and the lost ranks are its dead."""
+        return self.comeback is not None
+
+
+def loss_policy(running: RunningWorld, config: WorldConfig) -> str:
+    """replace, shrink or stop: `on_loss`, with auto resolved for this world's provisioner."""
+    if config.on_loss != "auto":
+        return config.on_loss
+    # ranks elsewhere go on with the survivors unless asked to wait for new processes there
+    return "replace" if running.provisioner.starts_ranks_here else "shrink"
+
+
+def recover(
+    running: RunningWorld,
+    config: WorldConfig,
+    lost: Mapping[int, Death],
+    unfinished: tuple[int, ...],
+    restarts: int,
+) -> Recovery:
+    """Go on after a loss, as `config.on_loss` says: new processes for the lost ranks
+    (`bring_back`), or the survivors on their own (`shrink`), every rank at the last snapshot;
+    past `config.max_restarts` (`restarts`: lost ranks gone on after so far), with
+    `on_loss='stop'`, or where that fails, the world is broken (the caller marks it so).
+    Survivors still in the cell (`unfinished`) are interrupted first: the comeback waits for them."""
+    policy = loss_policy(running, config)
+    size = running.layout.world_size
+
+    def said(how: Recovered, restarts: int, **what: Any) -> Recovery:
+        return Recovery(how, dict(lost), restarts, config.max_restarts, size, policy=policy, **what)
+
+    if policy == "stop":
+        return said(Recovered.STOPS, restarts)
+    if config.max_restarts - restarts < len(lost):
+        return said(Recovered.NO_RESTARTS_LEFT, restarts)
+    if policy == "replace" and not running.provisioner.starts_ranks:
+        return said(Recovered.CANNOT_START_RANKS, restarts, launcher=str(config.launch.launcher))
+    restarts += len(lost)
+    survivors = tuple(rank for rank in unfinished if rank not in lost)
+    if survivors:
+        running.supervisor.interrupt(survivors)  # survivors still in the cell: the comeback waits for them
+    try:
+        done = bring_back(running, config, lost) if policy == "replace" else shrink(running, config, lost)
+    except Exception as failure:  # noqa: BLE001  (any failure leaves the world broken, as a death did)
+        return said(Recovered.FAILED, restarts, failure=one_line(failure))
+    running.regrouped(done.ranks)
+    how = Recovered.REPLACED if policy == "replace" else Recovered.SHRUNK
+    return said(how, restarts, comeback=done, setup_cells=len(running.setup_cells))
+
+
+def lost_before_sending(running: RunningWorld, targets: tuple[int, ...]) -> dict[int, Death]:
+    """Ranks of `targets` whose engine the controller no longer knows (a process stopped past the
+    heartbeat while the world was idle, a host gone), with how they ended."""
+    registered = set(running.client.ids)
+    gone = tuple(rank for rank in targets if running.ranks[rank].engine_id not in registered)
+    if not gone:
+        return {}
+    found = running.supervisor.find_dead(gone)
+    return {rank: found.get(rank) or Death("lost", "was lost (the controller dropped it)") for rank in gone}
 
 
 def bring_back(running: RunningWorld, config: WorldConfig, dead: Mapping[int, Death]) -> Comeback:

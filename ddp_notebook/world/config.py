@@ -454,6 +454,27 @@ def parse_rank_count(text: str) -> int:
     return value
 
 
+def select_ranks(ranks: Iterable[int] | str | None, world_size: int) -> tuple[int, ...]:
+    """Ranks chosen by a caller, sorted, against a world's size: None is every rank, a string is
+    read by `parse_ranks`, numbers are checked to exist."""
+    if ranks is None:
+        return tuple(range(world_size))
+    if isinstance(ranks, str):
+        return parse_ranks(ranks, world_size)
+    chosen = tuple(sorted(set(ranks)))
+    outside = [r for r in chosen if not (isinstance(r, int) and 0 <= r < world_size)]
+    if outside:
+        raise _no_such_ranks(outside, world_size)
+    if not chosen:
+        raise DDPUsageError("no ranks selected")
+    return chosen
+
+
+def _no_such_ranks(outside: list[int], world_size: int) -> DDPUsageError:
+    exist = "do not exist" if len(set(outside)) > 1 else "does not exist"
+    return DDPUsageError(f"{name_ranks(outside)} {exist}: this world has ranks 0-{world_size - 1}")
+
+
 def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
     """Parse a rank selection such as '0', '0,2', '1-3' or 'all' against a world's size."""
     text = spec.strip()
@@ -475,8 +496,7 @@ def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
         if low > high:
             raise DDPUsageError(f"rank range '{part}' runs backwards; write {high}-{low}")
         chosen.extend(range(low, high + 1))
-    outside = sorted({r for r in chosen if not 0 <= r < world_size})
+    outside = [r for r in chosen if not 0 <= r < world_size]
     if outside:
-        exist = "do not exist" if len(outside) > 1 else "does not exist"
-        raise DDPUsageError(f"{name_ranks(outside)} {exist}: this world has ranks 0-{world_size - 1}")
+        raise _no_such_ranks(outside, world_size)
     return tuple(sorted(set(chosen)))

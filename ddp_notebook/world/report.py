@@ -1,4 +1,5 @@
-"""Plain-text views of a world: the start summary, the status table, per-rank values."""
+"""Plain-text views of a world: the start summary, the status table, per-rank values, what the
+world did after a loss."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from ..cell.output import tag_value
 from ..errors import GROUP_ABOVE, RUNS_SHOWN, count_ranks, name_ranks, rank_ranges
 from ..platform.limits import format_bytes
 from ..wire.results import CellResult, MemoryReading, RankInfo, RankStatus
+from .comeback import Recovered, Recovery
 from .config import is_loopback
 from .state import WorldState
 
 if TYPE_CHECKING:
-    from .cluster import DDPCluster  # the reports read a world; the world never imports them
+    from .cluster import DDPCluster  # the reports read a world (only its type, to import no circle)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -74,11 +76,7 @@ def describe_layout(ranks: Sequence[RankInfo]) -> str:
     by_host: dict[str, list[int]] = {}
     for info in ranks:
         by_host.setdefault(info.host, []).append(info.rank)
-    parts = []
-    for host, numbers in by_host.items():
-        span = f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {numbers[0]}-{numbers[-1]}"
-        parts.append(f"{host}: {span}")
-    return ", ".join(parts)
+    return ", ".join(f"{host}: {name_ranks(numbers)}" for host, numbers in by_host.items())
 
 
 def _mb(value: float | None) -> str:
@@ -170,3 +168,45 @@ def format_values(result: CellResult) -> str:
     """Each rank's last-expression value, like a kernel's Out[], tagged by rank."""
     values = ((rank, result.value_text(rank)) for rank in result.ranks)
     return "\n".join(tag_value(rank, text) for rank, text in values if text is not None)
+
+
+def describe_recovery(recovery: Recovery) -> tuple[str, str]:
+    """(what the comeback did, why there was none), as a cell's outcome says them after a loss."""
+    how, done = recovery.how, recovery.comeback
+    if how is Recovered.STOPS:
+        return "", "this world stops at a loss (on_loss='stop')"
+    if how is Recovered.NO_RESTARTS_LEFT:
+        return "", (
+            f"this world went on after {recovery.restarts} lost rank(s) already (max_restarts={recovery.max_restarts})"
+        )
+    if how is Recovered.CANNOT_START_RANKS:
+        return "", f"a world started with --launcher {recovery.launcher} cannot start ranks (--on-loss shrink goes on)"
+    if how is Recovered.FAILED or done is None:
+        doing = "bringing it back" if recovery.policy == "replace" else "going on without it"
+        return "", f"{doing} failed: {recovery.failure}"
+    ranks = name_ranks(recovery.lost)
+    if how is Recovered.SHRUNK:
+        # the config keeps the size asked for: restart() starts the full world again
+        now = len(done.ranks)
+        where = (
+            f"every rank is at the snapshot taken at {done.resumed_from}; run the cell again to continue"
+            if done.resumed_from
+            else "nothing is tracked (ddp_notebook.track): the survivors keep what they had"
+        )
+        return (
+            f"The world went on without {ranks} in {done.seconds:.1f} s: {now} rank(s) now "
+            f"(was {recovery.size_before}), renumbered 0-{now - 1}, the process group formed again, "
+            f"variables kept: {where}",
+            "",
+        )
+    where = (
+        f"every rank is back at the snapshot taken at {done.resumed_from}; run the cell again to continue"
+        if done.resumed_from
+        else "nothing is tracked (ddp_notebook.track): the new rank has what the setup cells made"
+    )
+    return (
+        f"{ranks[0].upper()}{ranks[1:]} came back in {done.seconds:.1f} s (a new process, "
+        f"{recovery.setup_cells} setup cell(s) "
+        f"replayed, the process group formed again; other variables kept on the surviving ranks): {where}",
+        "",
+    )
