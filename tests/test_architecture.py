@@ -216,7 +216,7 @@ def test_the_kernel_folders_import_in_one_direction() -> None:
     a cell or a world; the names a module reads only for its type hints count too."""
     graph = import_graph(type_imports=True)
     # it sees the edges the rule allows, and those under TYPE_CHECKING
-    assert "ddp_notebook.cell.relay" in graph["ddp_notebook.world.cluster"]
+    assert "ddp_notebook.cell.relay" in graph["ddp_notebook.world.cell_run"]
     assert "ddp_notebook.live.feed" in graph["ddp_notebook.world.cluster"]
     assert "ddp_notebook.world.cluster" in graph["ddp_notebook.world.report"]
     assert "ddp_notebook.world.cluster" not in import_graph()["ddp_notebook.world.report"]

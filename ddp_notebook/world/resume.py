@@ -1,0 +1,37 @@
+"""The kernel's side of `%ddp_resume FOLDER`: every rank of a running world loads the newest whole
+snapshot `track(persist=FOLDER)` wrote, after every rank of the world that wrote it was lost (the
+machine rebooted, the kernel and its world gone). The ranks read it themselves (`rank/persisting`):
+a folder every host sees, on this number of ranks or another."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import DDPError, DDPUsageError, one_line
+from ..rank import calls as rank_calls
+from .running import RunningWorld
+
+
+@dataclass(frozen=True)
+class Resumed:
+    said: str  # "snapshot 12 (epoch 1, batch 40) of a world of 4 ranks"
+    seconds: float
+
+
+def resume(running: RunningWorld, folder: str, timeout: float) -> Resumed:
+    """Every rank at once loads the newest whole snapshot in `folder` (its setup cells ran first)."""
+    if not isinstance(folder, str) or not folder.strip():
+        raise DDPUsageError("%ddp_resume takes the folder track(persist=...) wrote to: %ddp_resume ckpt/")
+    began = time.perf_counter()
+    ranks = sorted(running.ranks)
+    engines = running.client[[running.ranks[rank].engine_id for rank in ranks]]
+    try:
+        said = engines.apply_async(rank_calls.resume_from_disk, folder).get(timeout=timeout)
+    except TimeoutError:
+        raise DDPError(f"could not resume from {folder}: the ranks did not load it within {timeout:g} s") from None
+    except Exception as failure:  # noqa: BLE001  (a rank's own error says what is wrong)
+        raise DDPError(f"could not resume from {folder}: {one_line(failure)}") from None
+    if len(set(said)) != 1:  # a folder that is not the same on every host
+        raise DDPError(f"could not resume from {folder}: the ranks loaded different snapshots: {sorted(set(said))}")
+    return Resumed(said[0], time.perf_counter() - began)
