@@ -260,7 +260,7 @@ listed = {{line.split()[1].split(":")[1] for line in open("/proc/net/tcp").read(
           if line.split()[3] == "0A"}}
 wanted = {{f"{{port:04X}}" for port in A_PORTS}}
 attempt("A's listening ports in /proc/net/tcp", lambda: sorted(int(port, 16) for port in listed & wanted))
-attempt("A's connection files", lambda: os.listdir(os.path.join(A_HOME, ".ipython/profile_default/security")))
+attempt("A's connection files", lambda: os.listdir(os.path.join(A_PRIVATE, "ipython", "security")))
 attempt("A's world folder", lambda: os.listdir(A_PRIVATE))
 attempt("A's world key", lambda: open(os.path.join(A_PRIVATE, "xray.key")).read())
 xray = os.path.join(A_PRIVATE, "rank0.xray")
@@ -349,7 +349,7 @@ def test_another_user_reaches_nothing_of_a_running_world(hub: Hub) -> None:
                 torch.testing.assert_close(per_rank[0][key], value, rtol=1e-5, atol=1e-6)
                 assert torch.equal(per_rank[0][key], per_rank[1][key])
             # the key that signs the world's messages is in no process's command line (every user reads those)
-            security = a.home / ".ipython" / "profile_default" / "security"
+            security = Path(private_dir) / "ipython" / "security"  # the world's own profile
             keys = {json.loads(path.read_text())["key"] for path in security.glob("ipcontroller-*.json")}
             assert keys and all(keys), "no connection file with a key"
             for pid in world.pids:
@@ -499,8 +499,8 @@ def test_the_idle_culler_stops_a_server_and_its_world_with_it(hub: Hub) -> None:
         world = start_world(kernel)
     # the tab is closed: no client, the kernel idle, the world up
     assert set(uids_of([world.kernel, *world.pids]).values()) == {user.uid}
-    world_files = profile_files(user.home) - files_before
-    assert world_files, "the world wrote no connection file in the user's profile"
+    # the world's connection files, logs and engine registry are in its own folder, not the user's profile
+    assert profile_files(user.home) - files_before == set(), "files of the world in the user's profile"
     ports = listening_ports(world.pids)
     assert ports, "the world listens on no port"
     timeout, every = culler_setting(hub.config, "timeout"), culler_setting(hub.config, "cull-every")

@@ -1,8 +1,11 @@
-"""The files one ipyparallel cluster leaves in its profile, and their removal when the world ends.
+"""The files one ipyparallel cluster leaves in its profile: where they go, and their removal.
 
 ipyparallel's controller writes its engine registry (`log/engines<cluster id>.json`) at every
 registration and never removes it; a launcher removes its process's log only on the stop path
 it drives itself. Left alone, a profile gathers thousands of them (a day of tests: 2,750 files).
+A world whose processes all run here gets a profile of its own in its private folder, which
+goes with the folder; a world whose ranks run elsewhere uses the user's profile (the one
+other hosts may see too), and its files are removed when it ends.
 """
 
 from __future__ import annotations
@@ -39,3 +42,23 @@ def remove_cluster_files(profile_dir: str, cluster_id: str) -> list[str]:
         except OSError:
             kept.append(path)
     return kept
+
+
+# a profile's configuration (ipcluster_config.py, ipcontroller_config.py, ipengine_config.py and
+# the ipython_config.py they all read), as IPython names it
+CONFIG_SUFFIXES = ("_config.py", "_config.json")
+PRIVATE_PROFILE = "ipython"
+
+
+def private_profile(private_dir: str, profile_dir: str) -> str:
+    """A profile folder of a world's own, in its private folder (0700): what ipyparallel writes for
+    the world (connection files, logs, engine registry) goes with that folder, however the world
+    ends. The configuration files of `profile_dir` (the user's profile) are linked in, so that its
+    settings apply as they would there."""
+    location = os.path.join(private_dir, PRIVATE_PROFILE)
+    os.makedirs(location, mode=0o700, exist_ok=True)
+    names = os.listdir(profile_dir) if os.path.isdir(profile_dir) else []
+    for name in names:
+        if name.endswith(CONFIG_SUFFIXES) and not os.path.lexists(os.path.join(location, name)):
+            os.symlink(os.path.join(profile_dir, name), os.path.join(location, name))
+    return location

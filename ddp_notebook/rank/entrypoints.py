@@ -27,6 +27,7 @@ from ddp_notebook.platform.processes import (
     OWNER_PID_ENV,
     PRELOAD_ENV,
     descendants,
+    pid_alive,
 )
 
 OWNER_POLL_SECONDS = 1.0
@@ -37,13 +38,9 @@ def _owner_alive(owner_pid: int, parent_pid: int) -> bool:
     # re-parenting means the process that launched us is gone, even if its PID was reused
     if os.getppid() != parent_pid:
         return False
-    try:
-        os.kill(owner_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    # a killed kernel stays a zombie until its own parent reaps it: a rank started by a launcher
+    # (mpiexec's child, not the kernel's) must not take that for a live kernel
+    return pid_alive(owner_pid)
 
 
 def watch_owner() -> None:

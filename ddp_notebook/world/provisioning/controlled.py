@@ -3,8 +3,10 @@ its controller, the exit codes of its engine sets, and ending all of it."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import shutil
 import sys
 import time
 from typing import Any
@@ -85,8 +87,12 @@ class ControlledProvisioner(Provisioner):
             # ipyparallel logs every engine's log file when it exits non-zero; our own
             # messages say what matters, in one line
             log_level=logging.ERROR,
+            # ipyparallel's own stop at exit ends the processes but leaves the engine registry
+            # and the world's private folder behind: ours ends the world as a stop does
+            shutdown_atexit=False,
             **options,
         )
+        atexit.register(self._stop_at_exit)
         self.cluster.start_controller_sync(
             controller_cmd=[sys.executable, "-m", ENTRY, "controller"],
             # a kernel that dies cannot remove the world's private folder (its key, the X-ray's
@@ -160,7 +166,13 @@ class ControlledProvisioner(Provisioner):
     def controller_pid(self) -> int | None:
         return processes.controller_pid(self.cluster)
 
+    def _stop_at_exit(self) -> None:
+        """A kernel that exits (shut down, not killed) with its world running ends it as `stop` does."""
+        self.stop()
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
     def stop(self) -> None:
+        atexit.unregister(self._stop_at_exit)
         client, cluster = self.client, self.cluster
         self.client = self.cluster = None
         pids = launched_pids(cluster)
@@ -194,9 +206,6 @@ class ControlledProvisioner(Provisioner):
                 log.debug("stopping the cluster failed", exc_info=True)
             processes.kill_survivors(family)
             remove_cluster_files(cluster.profile_dir, cluster.cluster_id)
-            # this stop is the last: ipyparallel's own at exit (or when the object is collected)
-            # would stop what is already ended again, over ssh configs that may be gone by then
-            cluster.shutdown_atexit = False
 
     def _end_ranks_elsewhere(self, cluster: Any) -> None:
         """End the ranks on other hosts that are still there once asked to exit (a launcher's own way)."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import StartError
-from ...platform import devices, limits, network, processes
+from ...platform import cluster_files, devices, limits, network, processes
 from ...platform.processes import SLOT_ENV
 from ...wire.results import Death, RankInfo
 from .. import layout, spare, template
@@ -23,6 +23,17 @@ from .controlled import HEARTBEAT_LIMIT_MS, STOP_SECONDS, ControlledProvisioner,
 log = logging.getLogger("ddp_notebook")
 # how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
 EXIT_REPORT_SECONDS = 2.0
+
+
+def user_profile_dir() -> str:
+    """The IPython profile ipyparallel would use here: this shell's, else the default one."""
+    from IPython import get_ipython
+    from IPython.paths import get_ipython_dir
+
+    profile_dir = getattr(get_ipython(), "profile_dir", None)
+    if profile_dir is not None:
+        return str(profile_dir.location)
+    return os.path.join(get_ipython_dir(), "profile_default")
 
 
 def engine_set_id(slot: int) -> str:
@@ -76,8 +87,10 @@ class LocalProvisioner(ControlledProvisioner):
             controller_options,
             # start the ranks together with the controller, not after it: their imports (or the
             # template's) overlap the controller's start-up; they wait for its connection file
-            # in the (user-private) profile security directory
+            # in the world's profile (in its private folder, as is everything ipyparallel writes
+            # for the world: nothing of it stays in the user's profile, however the world ends)
             send_engines_connection_env=False,
+            profile_dir=cluster_files.private_profile(self.private_dir, user_profile_dir()),
             **options,
         )
         if self.template is not None:
