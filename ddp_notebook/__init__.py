@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .world.cell_request import CellRequest
     from .world.cluster import DDPCluster
     from .world.config import WorldConfig
+    from .world.resume import Resumed
     from .world.state import WorldState
 
 # Every public name is loaded on first use, from the module that holds it: a rank process that
@@ -56,6 +57,7 @@ _HOMES = {
     "DDPCluster": "world.cluster",
     "WorldConfig": "world.config",
     "CellRequest": "world.cell_request",
+    "Resumed": "world.resume",
     "CellOutcome": "cell.outcome",
     "Ending": "cell.outcome",
     "CellResult": "wire.results",
@@ -112,6 +114,7 @@ __all__ = [
     "RankError",
     "RankInfo",
     "RankStatus",
+    "Resumed",
     "StartError",
     "WorldBrokenError",
     "WorldConfig",

@@ -189,3 +189,55 @@ def test_bad_settings_say_what_to_do(tmp_path: Path) -> None:
         persisting.PersistSettings.build(blocked / "sub", 1)
     with pytest.raises(FileNotFoundError, match="no whole snapshot"):
         persisting.read_newest(tmp_path, rank=0)
+
+
+# ---------------------------------------------------------------- as a user types it
+
+SETUP_CELL = """%%ddp --setup
+import torch
+torch.manual_seed(0)
+model = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = 0
+ddp_notebook.track(model=model, opt=opt, step=step, persist="ckpt/")"""
+TRAIN_CELL = """%%ddp
+for _ in range(5):
+    opt.zero_grad()
+    model(torch.ones(4, 2)).sum().backward()
+    opt.step()
+    step += 1"""
+# the end-of-cell snapshot is written after the cell: this one waits for it (a test's certainty)
+WAIT_CELL = "%%ddp\nfrom ddp_notebook.rank.calls import persist_wait\nassert persist_wait(60)['idle']"
+
+
+def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> None:
+    from tests.test_kernel import Kernel
+
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --backend gloo", timeout=180)
+        assert error is None, out
+        for cell in (SETUP_CELL, TRAIN_CELL, WAIT_CELL):
+            out, error = kernel.run(cell)
+            assert error is None, out
+        out, error = kernel.run("%%ddp\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+        assert error is not None and "killed by SIGKILL" in out, out
+        out, error = kernel.run("%ddp_stop\n%ddp_start 2 --backend gloo", timeout=180)
+        assert error is None, out
+        newest = persisting.whole_snapshots(tmp_path / "ckpt")[-1][0]
+        out, error = kernel.run(SETUP_CELL)
+        assert error is None and f"holds snapshot {newest} of an earlier run: %ddp_resume" in out, out
+        out, error = kernel.run("%ddp_resume ckpt/")
+        assert error is None, out
+        assert f"every rank goes on from snapshot {newest} (the end of a cell) of a world of 2 ranks (" in out
+        out, error = kernel.run("%%ddp\nprint(step, float(model.module.weight.detach().sum()) != 0)")
+        assert "[rank 0] 5 True" in out and "[rank 1] 5 True" in out, out
+        # bad input: one line each
+        out, error = kernel.run("%ddp_resume")
+        assert "the following arguments are required: folder" in out, out
+        out, error = kernel.run("%ddp_resume nowhere/")
+        assert error is None and "UsageError: could not resume from nowhere/: no folder 'nowhere/'" in out, out
+        out, error = kernel.run("%ddp_stop")
+        assert error is None, out
+    finally:
+        kernel.close()

@@ -156,10 +156,11 @@ def _show_profile(report: Any) -> None:
     show(report)
 
 
-def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, **kwargs: Any) -> CellResult:
-    """Run the cell with `feed` drawing its live view; the view shows how the cell ended."""
+def _execute_live(world: DDPCluster, feed: Feed, cell: str, ranks: str | None, **options: Any) -> CellResult:
+    """Run the cell, checked once as a CellRequest, with `feed` drawing its live view; the view shows
+    how the cell ended (a request refused before it ran too)."""
     try:
-        outcome = world.run(cell, ranks, on_data=feed, **kwargs)
+        outcome = world.run(world.cell_request(cell, ranks, on_data=feed, **options))
     except KeyboardInterrupt:
         feed.finish("stopped")
         raise

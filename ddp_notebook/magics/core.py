@@ -213,6 +213,16 @@ class DDPMagics(Magics):
         seconds = self.running_world().resize(n_ranks)
         print(f"the world has {n_ranks} ranks now (resized in {seconds:.1f} s)")
 
+    @magic_arguments()
+    @argument("folder", help="the folder track(persist=...) wrote the snapshots to, e.g. ckpt/")
+    @line_magic
+    @usage_errors
+    def ddp_resume(self, line: str = "") -> None:
+        """Go on from the newest whole snapshot on disk after every rank was lost (the machine rebooted,
+        the kernel gone): `%ddp_start`, the setup cells, then `%ddp_resume ckpt/`."""
+        done = self.running_world().resume(parse_line(self.ddp_resume, line).folder)
+        print(f"every rank goes on from {done.said} ({done.seconds:.1f} s); run the training cell again")
+
     @line_magic
     @usage_errors
     @no_arguments

@@ -43,6 +43,7 @@ from .cell_request import CellRequest
 from .config import WorldConfig
 from .controller import QUERY_SECONDS
 from .export import CellRecord
+from .resume import Resumed, resume_from
 from .running import RunningWorld
 from .state import WorldLifecycle, WorldState
 from .status import rank_status
@@ -85,17 +86,13 @@ class DDPCluster:
         self.last_heal_seconds: float | None = None
         self.last_failures: tuple[RankFailure, ...] = ()
         self.last_output: large_output.LargeOutput | None = None  # the last cell's output, every rank's
-        # what the ranks logged with ddp_notebook.log / progress, one Feed per cell
-        self.recorder = live_feed.Recorder()
-        # every cell run in this world, for export_script (%ddp_export): code, ranks, outcome
-        self.cell_history: list[CellRecord] = []
+        self.recorder = live_feed.Recorder()  # what the ranks logged (log / progress), one Feed per cell
+        self.cell_history: list[CellRecord] = []  # every cell run here, for export_script (%ddp_export)
         self.restarts = 0  # lost ranks this world went on after, replaced or not (bounded by config.max_restarts)
         self.last_comeback_seconds: float | None = None
         self.last_rollback_seconds: float | None = None
-        # what the last cell run with profile= found (%%ddp --profile)
-        self.last_profile: ProfileReport | None = None
-        # what the ranks' working folders elsewhere hold of the notebook's files (%ddp_sync)
-        self._syncer: file_sync.Syncer | None = None
+        self.last_profile: ProfileReport | None = None  # what the last cell run with profile= found
+        self._syncer: file_sync.Syncer | None = None  # what the ranks' folders elsewhere hold of the notebook's
         # the experiment tracker the training cells' metrics also go to (track())
         self.tracking = trackers.Tracking()
 
@@ -410,6 +407,11 @@ class DDPCluster:
         tracked). Other variables stay as they are; the next training cell goes on from there.
         """
         return regroup.rollback(self, self._require_running())
+
+    def resume(self, folder: str) -> Resumed:
+        """Every rank goes on from the newest whole snapshot `track(persist=folder)` wrote (`%ddp_resume`),
+        once the setup cells ran: after every rank of the world that wrote it was lost. Says which."""
+        return resume_from(self._require_running(), folder, self.config.start_timeout)
 
     def where_stuck(self, ranks: Iterable[int] | str | None = None) -> str:
         """One line per rank saying where its main thread is (works while it is blocked)."""

@@ -19,7 +19,7 @@ class Resumed:
     seconds: float
 
 
-def resume(running: RunningWorld, folder: str, timeout: float) -> Resumed:
+def resume_from(running: RunningWorld, folder: str, timeout: float) -> Resumed:
     """Every rank at once loads the newest whole snapshot in `folder` (its setup cells ran first)."""
     if not isinstance(folder, str) or not folder.strip():
         raise DDPUsageError("%ddp_resume takes the folder track(persist=...) wrote to: %ddp_resume ckpt/")
@@ -28,10 +28,22 @@ def resume(running: RunningWorld, folder: str, timeout: float) -> Resumed:
     engines = running.client[[running.ranks[rank].engine_id for rank in ranks]]
     try:
         said = engines.apply_async(rank_calls.resume_from_disk, folder).get(timeout=timeout)
-    except TimeoutError:
-        raise DDPError(f"could not resume from {folder}: the ranks did not load it within {timeout:g} s") from None
     except Exception as failure:  # noqa: BLE001  (a rank's own error says what is wrong)
-        raise DDPError(f"could not resume from {folder}: {one_line(failure)}") from None
+        reason = _first_reason(failure)
+        if reason.startswith("FileNotFoundError: "):  # no such folder, or no whole snapshot in it
+            raise DDPUsageError(
+                f"could not resume from {folder}: {reason.removeprefix('FileNotFoundError: ')}"
+            ) from None
+        raise DDPError(f"could not resume from {folder}: {reason}") from None
     if len(set(said)) != 1:  # a folder that is not the same on every host
         raise DDPError(f"could not resume from {folder}: the ranks loaded different snapshots: {sorted(set(said))}")
     return Resumed(said[0], time.perf_counter() - began)
+
+
+def _first_reason(failure: BaseException) -> str:
+    """One line: the first rank's error where several failed alike (a folder none can read)."""
+    several = getattr(failure, "elist", None)  # ipyparallel's CompositeError: (ename, evalue, ...) each
+    if several:
+        ename, evalue = several[0][:2]
+        return f"{ename}: {evalue}" if evalue else str(ename)
+    return one_line(failure)
