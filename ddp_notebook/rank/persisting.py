@@ -41,6 +41,7 @@ RANK_FILES_SECONDS = 120.0  # rank 0 waits this long for every rank's generators
 POLL_SECONDS = 0.05
 QUEUED = 2  # snapshots waiting for the disk before the training thread waits too
 QUEUE_WAIT_SECONDS = 600.0
+WRITER_NICENESS = 10
 MARKER_VERSION = 1
 
 
@@ -153,6 +154,7 @@ class Writer:
         return True
 
     def _run(self) -> None:
+        _yield_to_training()
         while True:
             job = self._jobs.get()
             try:
@@ -175,6 +177,16 @@ class Writer:
 
 class FolderHoldsNewer(RuntimeError):
     """The folder holds a later snapshot of an earlier run: writing below it would lose the new ones."""
+
+
+def _yield_to_training() -> None:
+    """The writer runs at a lower priority than the training thread (Linux gives each thread its
+    own nice value): on a machine whose cores the ranks fill, it writes while they wait."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: the writer runs at the training thread's priority
 
 
 def write(job: Job) -> None:
