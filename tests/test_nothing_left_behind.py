@@ -165,6 +165,9 @@ def test_a_world_here_reads_the_users_profile_settings_from_a_profile_of_its_own
     for app in ("ipcluster", "ipcontroller", "ipengine"):  # each one notes that it read its file
         (profile / f"{app}_config.py").write_text(f"open({str(read / app)!r}, 'w').close()\n")
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    # outside a shell (a script), the profile is IPYTHONDIR's; an IPython shell an earlier test made
+    # in this process would be asked for its own instead
+    monkeypatch.setattr("IPython.get_ipython", lambda: None)
     with DDPCluster(1, backend="gloo") as world:
         own = Path(world.provisioner.cluster.profile_dir)
         assert own.parent == Path(world.private_dir)

@@ -3,10 +3,8 @@ its controller, the exit codes of its engine sets, and ending all of it."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
-import shutil
 import sys
 import time
 from typing import Any
@@ -88,11 +86,13 @@ class ControlledProvisioner(Provisioner):
             # messages say what matters, in one line
             log_level=logging.ERROR,
             # ipyparallel's own stop at exit ends the processes but leaves the engine registry
-            # and the world's private folder behind: ours ends the world as a stop does
+            # and the world's private folder behind, and a stop of any kind can outlast the few
+            # seconds a kernel is given to exit (one killed midway leaves its files): a process
+            # that exits with its world running leaves the ending to the world's controller,
+            # which watches it and ends the world, files and all, as when it is killed
             shutdown_atexit=False,
             **options,
         )
-        atexit.register(self._stop_at_exit)
         self.cluster.start_controller_sync(
             controller_cmd=[sys.executable, "-m", ENTRY, "controller"],
             # a kernel that dies cannot remove the world's private folder (its key, the X-ray's
@@ -166,13 +166,7 @@ class ControlledProvisioner(Provisioner):
     def controller_pid(self) -> int | None:
         return processes.controller_pid(self.cluster)
 
-    def _stop_at_exit(self) -> None:
-        """A kernel that exits (shut down, not killed) with its world running ends it as `stop` does."""
-        self.stop()
-        shutil.rmtree(self.private_dir, ignore_errors=True)
-
     def stop(self) -> None:
-        atexit.unregister(self._stop_at_exit)
         client, cluster = self.client, self.cluster
         self.client = self.cluster = None
         pids = launched_pids(cluster)
