@@ -94,9 +94,11 @@ def track(
     """
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    if persist is True:
+        raise ValueError("persist takes a folder, e.g. persist='ckpt/' (or False to stop writing)")
     if persist is False:
         RANK.tracked.persist = None
-    elif persist is not None and persist is not True:
+    elif persist is not None:
         from . import persisting
 
         settings = persisting.PersistSettings.build(persist, persist_every, guard=_whole_world())
@@ -106,8 +108,6 @@ def track(
             if settings.earlier:
                 print(settings.earlier_note(), file=sys.stderr, flush=True)
         RANK.tracked.persist = settings
-    elif persist is True:
-        raise ValueError("persist takes a folder, e.g. persist='ckpt/' (or False to stop writing)")
     for name, obj in objects.items():
         if isinstance(obj, helpers.EpochDataLoader) and not isinstance(obj.sampler, helpers.ResumableSampler):
             raise TypeError(f"track a loader made by ddp_notebook.prepare_loader ('{name}' is another DataLoader)")
