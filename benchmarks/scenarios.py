@@ -470,7 +470,13 @@ class Training(Scenario):
     def measure(self, subject: Subject, run: Run) -> dict[str, Any]:
         result = subject.train(run.s.steps, run.s.warmup, run.s.threads)
         kept = ("steps_per_s", "elapsed_s", "process_cpu_s", "torch_threads", "device", "main_us_per_step")
-        return {k: result[k] for k in kept} | split_threads(result["threads_us_per_step"])
+        # (an older ddp_notebook's or torchrun's driver may not report the waits)
+        waits = ("main_runqueue_us_per_step", "launcher_us_per_step")
+        return (
+            {k: result[k] for k in kept}
+            | {k: result[k] for k in waits if k in result}
+            | split_threads(result["threads_us_per_step"])
+        )
 
     def brief(self, sample: dict[str, Any]) -> str:
         idle = f"; the other side idle: {sample['others_cpu_pct']:.1f}% of a core" if "others_cpu_pct" in sample else ""
@@ -508,22 +514,32 @@ def split_threads(threads: dict[str, float]) -> dict[str, Any]:
     }
 
 
+# what print_thread_cost shows, in its order: the key in a sample, and its column
+COST_COLUMNS = {
+    "main_us_per_step": "training thread",
+    "main_runqueue_us_per_step": "its wait for a CPU",
+    "torch_threads_us_per_step": "torch's threads",
+    "tool_threads_us_per_step": "the tool's threads",
+    "launcher_us_per_step": "launcher side",
+}
+
+
 def print_thread_cost(results: dict[str, Any], summary: dict[str, Any]) -> None:
     """CPU per training step on rank 0 beside the user's code, the median of the runs: it does not move
-    with the machine's load the way steps/s does, so a regression shows here first."""
+    with the machine's load the way steps/s does, so a regression shows here first. Beside it, how long
+    the training thread waited for a CPU, and the CPU of the processes that run the ranks (the kernel,
+    the controller; torchrun's agent) per step, which compete with the ranks for the cores."""
+    keys = [k for k in COST_COLUMNS if all(k in x for entry in results.values() for x in entry["samples"])]
     rows = []
     for name, entry in results.items():
         samples = entry["samples"]
-        medians = {
-            key: statistics.median(x[key] for x in samples)
-            for key in ("main_us_per_step", "torch_threads_us_per_step", "tool_threads_us_per_step")
-        }
+        medians = {key: statistics.median(x[key] for x in samples) for key in keys}
         names = sorted({n for x in samples for n in x["tool_threads"]})
         top = {n: statistics.median(x["tool_threads"].get(n, 0.0) for x in samples) for n in names}
         shown = ", ".join(f"{n} {us:.0f}" for n, us in sorted(top.items(), key=lambda item: -item[1])[:4] if us >= 0.5)
         summary[name]["cpu_us_per_step"] = medians | {"tool_threads": top}
-        rows.append([entry["label"], *(f"{medians[k]:.0f}" for k in medians), shown or "-"])
-    print_table(["CPU us/step (rank 0)", "training thread", "torch's threads", "the tool's threads", "largest"], rows)
+        rows.append([entry["label"], *(f"{medians[k]:.0f}" for k in keys), shown or "-"])
+    print_table(["us per step (rank 0)", *(COST_COLUMNS[k] for k in keys), "largest of the tool's"], rows)
 
 
 class Failures(Scenario):

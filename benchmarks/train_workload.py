@@ -95,6 +95,44 @@ def thread_cpu_ns() -> dict[int, tuple[str, int]]:
     return found
 
 
+def main_runqueue_ns() -> int:
+    """Nanoseconds the calling (training) thread spent ready to run but waiting for a CPU: what the
+    other processes on the machine took from it (schedstat's second field)."""
+    try:
+        return int(Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def launcher_side(device: Any) -> list[int]:
+    """The processes that run the ranks but are not ranks, on this host: the notebook's kernel (or
+    the harness holding a DDPCluster), its controller and template, or torchrun's agent; each
+    one's CPU competes with the ranks' for the cores."""
+    import psutil
+
+    from ddp_notebook.platform.processes import OWNER_PID_ENV
+
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, os.getpid())
+    owner = int(os.environ.get(OWNER_PID_ENV) or os.getppid())  # a kernel's rank names its kernel
+    try:
+        tree = [owner, *(child.pid for child in psutil.Process(owner).children(recursive=True))]
+    except psutil.Error:
+        return []
+    return [pid for pid in tree if pid not in ranks]
+
+
+def _cpu_ns(pids: list[int]) -> int:
+    """Nanoseconds of CPU the live processes of `pids` spent so far (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def thread_cost(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], steps: int) -> dict[str, Any]:
     """Microseconds of CPU per step: the main thread's, and every other thread's by name, summed."""
     per_name: dict[str, float] = {}
@@ -119,13 +157,17 @@ def train(steps: int, warmup: int, *, seed: int = 0) -> dict[str, Any]:
         step(index)
     # everyone starts and stops the clock together, so rank 0's time covers all ranks' work
     _sync(device)
+    launcher = launcher_side(device)
     began, cpu_began, threads_began = time.perf_counter(), time.process_time(), thread_cpu_ns()
+    waited_began, launcher_began = main_runqueue_ns(), _cpu_ns(launcher)
     loss = torch.zeros(())
     for index in range(warmup, warmup + steps):
         loss = step(index)
     _sync(device)
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     cost = thread_cost(threads_began, thread_cpu_ns(), steps)
+    cost["main_runqueue_us_per_step"] = (main_runqueue_ns() - waited_began) / 1e3 / steps
+    cost["launcher_us_per_step"] = (_cpu_ns(launcher) - launcher_began) / 1e3 / steps
     return cost | {
         "steps_per_s": steps / elapsed,
         "elapsed_s": elapsed,

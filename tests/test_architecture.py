@@ -284,7 +284,7 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
         "cell.output",
         "cell.ipp_adapter",
         "rank.torch_adapter",
-        "rank.ipykernel_adapter",
+        "rank.ipp_process_adapter",
         "errors",
     )
     for leaf in leaves:
@@ -292,7 +292,7 @@ def test_leaf_modules_import_nothing_of_the_package() -> None:
 
 
 # each dependency's internals, in the folder of the side that uses that dependency
-ADAPTERS = ("cell/ipp_adapter.py", "rank/torch_adapter.py", "rank/ipykernel_adapter.py", "live/plotly_adapter.py")
+ADAPTERS = ("cell/ipp_adapter.py", "rank/torch_adapter.py", "rank/ipp_process_adapter.py", "live/plotly_adapter.py")
 # the standard library's own functions spelled with an underscore (documented, public)
 _STDLIB_UNDERSCORED = {"os._exit", "sys._getframe", "sys._current_frames"}
 
@@ -351,7 +351,7 @@ _PRIVATE = {
         "._stop_waiting",
         "._wait_thread",
     ),
-    "rank/ipykernel_adapter.py": ("._publish_execute_input",),
+    "rank/ipp_process_adapter.py": ("._publish_execute_input",),
     "rank/torch_adapter.py": (
         "torch._C",
         "_composable_state",

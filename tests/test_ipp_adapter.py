@@ -1,5 +1,5 @@
 """Each use of ipyparallel's private internals (ddp_notebook.cell.ipp_adapter), and of ipykernel's on
-a rank's side (ddp_notebook.rank.ipykernel_adapter), on real clusters.
+a rank's side (ddp_notebook.rank.ipp_process_adapter), on real clusters.
 
 benchmarks/compat.py runs them on every ipyparallel and ipykernel of the supported ranges
 (docs/compatibility.md).
@@ -244,3 +244,42 @@ def test_an_ssh_engines_exit_is_left_to_a_watch_of_its_host() -> None:
         assert not other.watched and other.state == "running"
 
     asyncio.run(run())
+
+
+_CONTROLLER_SLEEPS = """
+import sys, time
+slept = []
+real_sleep = time.sleep
+time.sleep = lambda seconds: slept.append(seconds)  # what the controller would have waited
+from ddp_notebook.rank import ipp_process_adapter
+from ipyparallel.controller.app import IPController
+skipped = sys.argv[1] == "skip" and ipp_process_adapter.skip_hub_settle_sleep()
+app = IPController.instance()
+app.initialize(["--profile-dir=" + sys.argv[2], "--ip=127.0.0.1", "--IPController.db_class=NoDB",
+                "--IPController.use_threads=True", "--log-level=ERROR"])
+print(skipped, sum(slept) >= 0.25)
+sys.stdout.flush()
+import os; os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_controller_starts_without_the_hubs_settle_sleep(tmp_path, skip: bool) -> None:  # type: ignore[no-untyped-def]
+    """A world's controller skips the 0.25 s ipyparallel's hub sleeps before it writes its connection
+    files (time for a task database to connect; a world keeps none); without the skip, it sleeps."""
+    import subprocess
+    import sys
+
+    from ddp_notebook.rank import ipp_process_adapter
+
+    found = ipp_process_adapter.hub_settle_sleep_found()
+    ran = subprocess.run(
+        [sys.executable, "-c", _CONTROLLER_SLEEPS, "skip" if skip else "keep", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    skipped, slept = ran.stdout.split()
+    assert skipped == str(skip and found)
+    assert slept == str(found and not skip)  # where this ipyparallel sleeps, only the skip removes it

@@ -10,10 +10,11 @@ from ddp_notebook.world.provisioning.controlled import HEARTBEAT_LIMIT_MS, HEART
 
 
 def test_the_controllers_heartbeat_slows_with_the_rank_count_and_keeps_its_limit() -> None:
-    assert heartbeat_period_ms(None) == heartbeat_period_ms(2) == heartbeat_period_ms(64) == HEARTBEAT_PERIOD_MS
+    assert heartbeat_period_ms(None) == heartbeat_period_ms(2) == heartbeat_period_ms(32) == HEARTBEAT_PERIOD_MS == 50
+    assert heartbeat_period_ms(64) == 100
     assert heartbeat_period_ms(1024) == 1600
-    # beats a second, all ranks together, stay under 1,000 from 64 ranks up
-    for ranks in (64, 128, 512, 1024, 4096):
+    # beats answered a second, all ranks together, stay within 640 at every size
+    for ranks in (2, 32, 33, 64, 128, 512, 1024, 4096):
         assert ranks * 1000 / heartbeat_period_ms(ranks) <= 640
     assert HEARTBEAT_LIMIT_MS // heartbeat_period_ms(1024) * heartbeat_period_ms(1024) >= 9_000
 

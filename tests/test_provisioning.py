@@ -286,3 +286,28 @@ def test_a_start_error_quotes_the_ranks_that_never_registered_or_gave_up_after()
     assert not _not_registered_or_gave_up(registered)
     assert not _not_registered_or_gave_up([*registered, "[IPEngineApp] Starting to monitor the heartbeat"])
     assert _not_registered_or_gave_up([*registered, "[IPEngineApp] CRITICAL | received signal 15, stopping"])
+
+
+def test_the_users_ipcluster_configuration_is_read_once_and_again_when_it_changes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ddp_notebook.world.provisioning import profile_config as profile_configuration
+
+    user, world_profile = tmp_path / "profile_default", tmp_path / "world" / "profile"
+    user.mkdir()
+    config_file = user / "ipcluster_config.py"
+    config_file.write_text("c.Cluster.delay = 0.5\n")
+    first = profile_configuration.profile_config(str(user), str(world_profile))
+    assert first.Cluster.delay == 0.5
+    assert first.ProfileDir.location == str(world_profile)  # as if read from the world's own profile
+    reads = []
+    original = profile_configuration._read_profile
+    profile_configuration._read_profile = lambda folder: reads.append(folder) or original(folder)  # type: ignore[assignment]
+    try:
+        again = profile_configuration.profile_config(str(user), str(world_profile))
+        assert again.Cluster.delay == 0.5 and reads == []  # unchanged files: not read again
+        config_file.write_text("c.Cluster.delay = 1.5  # edited\n")
+        edited = profile_configuration.profile_config(str(user), str(world_profile))
+        assert edited.Cluster.delay == 1.5 and reads == [str(user)]
+    finally:
+        profile_configuration._read_profile = original  # type: ignore[assignment]
+    # a profile that does not exist holds no configuration
+    assert not profile_configuration.profile_config(str(tmp_path / "none"), str(world_profile)).Cluster

@@ -118,6 +118,39 @@ def test_turned_off_nothing_is_reloaded(user_folder: Path) -> None:
 # ------------------------------------------------------------------ in a world of ranks
 
 
+def test_a_module_in_a_linked_folder_is_watched_at_its_real_path(user_folder: Path) -> None:
+    real = user_folder / "real_code"
+    real.mkdir()
+    write(real / "linked_mod.py", "X = 1\n")
+    (user_folder / "linked_code").symlink_to(real, target_is_directory=True)
+    sys.path.insert(0, str(user_folder / "linked_code"))
+    try:
+        importlib.import_module("linked_mod")
+        reloader = Reloader()
+        reloader.discover()
+        assert reloader.watched["linked_mod"][0] == str((real / "linked_mod.py").resolve())
+        write(real / "linked_mod.py", "X = 2\n")
+        assert reloader.check() == ["linked_mod"] and sys.modules["linked_mod"].X == 2
+    finally:
+        sys.path.remove(str(user_folder / "linked_code"))
+
+
+def test_what_the_template_imported_is_sorted_once_for_every_rank_forked_from_it(
+    user_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp_notebook.rank import reloading
+
+    monkeypatch.setattr(reloading, "_TEMPLATE_LIBRARY_MODULES", frozenset())
+    reloading.note_template_modules()  # as the template does after its imports
+    assert "json" in reloading._TEMPLATE_LIBRARY_MODULES and "pytest" in reloading._TEMPLATE_LIBRARY_MODULES
+    write(user_folder / "after_fork_mod.py", "X = 1\n")
+    importlib.import_module("after_fork_mod")  # a cell's import, after the fork
+    reloader = Reloader()
+    assert reloader.not_user >= reloading._TEMPLATE_LIBRARY_MODULES  # known without a look
+    reloader.discover()
+    assert "after_fork_mod" in reloader.watched
+
+
 def values(world: DDPCluster, code: str) -> dict[int, str]:
     result = world.execute(code)
     return {rank: result.value_text(rank) for rank in range(world.world_size)}
@@ -132,6 +165,9 @@ def test_every_rank_runs_the_edited_module_at_the_next_cell(
     version = "class Model:\n    def value(self):\n        return {}\n"
     write(source, version.format(1))
     with DDPCluster(2, backend="gloo") as world:
+        if world.provisioner.template is not None:  # forked: the template sorted torch's modules once for all
+            known = "from ddp_notebook.rank import reloading\n'torch' in reloading._TEMPLATE_LIBRARY_MODULES"
+            assert values(world, known) == {0: "True", 1: "True"}
         world.execute("import edited_model\nm = edited_model.Model()", setup=True)
         assert values(world, "m.value()") == {0: "1", 1: "1"}
         write(source, version.format(2))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..world import spare
+from ..world.provisioning.local import read_profile_ahead
 from .arguments import parse_line
 from .cell import CellMagics
 from .core import DDPMagics, preload_widgets, start_config
@@ -49,6 +50,16 @@ def load(ipython: Any) -> None:
     # torch imported in the background while the user reads on: %ddp_start forks ranks from it
     spare.start_spare()
     preload_widgets()  # once this cell has run, between cells
+    _between_cells(ipython, read_profile_ahead)  # 0.1 s less at the first %ddp_start
+
+
+def _between_cells(ipython: Any, call: Callable[[], None]) -> None:
+    """Run `call` on the kernel's own thread once the running cell is over (at once outside a kernel)."""
+    loop = getattr(getattr(ipython, "kernel", None), "io_loop", None)
+    if loop is not None:
+        loop.add_callback(call)
+    else:
+        call()
 
 
 def unload(ipython: Any) -> None:

@@ -136,7 +136,7 @@ def engine_main() -> None:
     _wait_for_connection_file()
     from ipyparallel.engine.app import main
 
-    from .ipykernel_adapter import publish_no_execute_input
+    from .ipp_process_adapter import publish_no_execute_input
 
     publish_no_execute_input()
     main()
@@ -147,6 +147,9 @@ def controller_main() -> None:
     watch_owner()
     from ipyparallel.controller.app import main
 
+    from .ipp_process_adapter import skip_hub_settle_sleep
+
+    skip_hub_settle_sleep()
     main()
 
 

@@ -36,6 +36,9 @@ def _preload() -> None:
     import ipykernel.debugger  # noqa: F401
 
     import ddp_notebook.rank.membership  # noqa: F401
+    from ddp_notebook.rank import reloading
+
+    reloading.note_template_modules()  # each rank's first look for the user's modules starts from here
 
 
 def template_main(socket_path: str) -> None:

@@ -19,6 +19,8 @@ from .. import layout, spare, template
 from ..config import WorldConfig
 from .base import death_of
 from .controlled import HEARTBEAT_LIMIT_MS, STOP_SECONDS, ControlledProvisioner, launched_pids
+from .profile_config import profile_config
+from .profile_config import read_ahead as profile_config_read_ahead
 
 log = logging.getLogger("ddp_notebook")
 # how long a gone rank's template may take to report its exit code (it reaps every 0.2 s)
@@ -34,6 +36,11 @@ def user_profile_dir() -> str:
     if profile_dir is not None:
         return str(profile_dir.location)
     return os.path.join(get_ipython_dir(), "profile_default")
+
+
+def read_profile_ahead() -> None:
+    """Read the user's ipyparallel configuration now, for the worlds started here later."""
+    profile_config_read_ahead(user_profile_dir())
 
 
 def engine_set_id(slot: int) -> str:
@@ -83,6 +90,7 @@ class LocalProvisioner(ControlledProvisioner):
                 options["controller"] = ForkControllerLauncher
                 controller_options["template"] = self.template
             options["engines"] = ForkEngineSetLauncher
+        world_profile = cluster_files.private_profile(self.private_dir, user_profile_dir())
         self.make_cluster(
             controller_options,
             # start the ranks together with the controller, not after it: their imports (or the
@@ -90,7 +98,8 @@ class LocalProvisioner(ControlledProvisioner):
             # in the world's profile (in its private folder, as is everything ipyparallel writes
             # for the world: nothing of it stays in the user's profile, however the world ends)
             send_engines_connection_env=False,
-            profile_dir=cluster_files.private_profile(self.private_dir, user_profile_dir()),
+            profile_dir=world_profile,
+            profile_config=profile_config(user_profile_dir(), world_profile),
             **options,
         )
         if self.template is not None:
