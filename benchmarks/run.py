@@ -45,6 +45,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--subjects", help=f"comma-separated, of: {', '.join(SUBJECTS)} (default: the scenario's own)")
     add("--ranks", type=int, default=2, help="ranks per world (default: 2)")
     add("--repeats", type=int, help="rounds, each measuring every subject (default: the scenario's own)")
+    add("--record", action="store_true", help="add the run's figures to results/by_date.md, under today's date")
     add("--json", type=Path, metavar="PATH", help="write every sample here (all: a directory; default results/)")
     add("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank (default: gloo)")
     add("--warmup", type=int, help="untimed cells (roundtrip: 20) or steps (training, logging: 30; frameworks: 20)")
@@ -143,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         status = status or (1 if leaked or failed else 0)
         payload = {"scenario": name, "command": shlex.join([sys.executable, *sys.argv]), "settings": vars(s)}
         payload |= {"machine": info, "subjects": results, "summary": summary, "leaked_pids": leaked}
+        if args.record and not failed:
+            import dated_table
+
+            labels = {subject: entry.get("label", subject) for subject, entry in results.items()}
+            command = shlex.join(["python", "benchmarks/run.py", *arguments])
+            new_rows = dated_table.rows(name, summary, labels, str(info["ddp_notebook_commit"]), command)
+            dated_table.record(RESULTS / "by_date.md", new_rows)
         if len(names) > 1:
             write_json((args.json or RESULTS) / f"{'peers-' if peers else ''}{name}.json", payload)
         else:

@@ -123,13 +123,19 @@ def launcher_side(device: Any) -> list[int]:
 
 
 def _cpu_ns(pids: list[int]) -> int:
-    """Nanoseconds of CPU the live processes of `pids` spent so far (all their threads)."""
+    """Nanoseconds of CPU the live processes of `pids` spent so far, all their threads (a process's
+    own /proc/PID/schedstat counts its main thread only). A thread that ended meanwhile drops out."""
     total = 0
     for pid in pids:
         try:
-            total += int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue  # ended meanwhile
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
     return total
 
 

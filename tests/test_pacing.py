@@ -10,8 +10,8 @@ from ddp_notebook.world.provisioning.controlled import HEARTBEAT_LIMIT_MS, HEART
 
 
 def test_the_controllers_heartbeat_slows_with_the_rank_count_and_keeps_its_limit() -> None:
-    assert heartbeat_period_ms(None) == heartbeat_period_ms(2) == heartbeat_period_ms(32) == HEARTBEAT_PERIOD_MS == 50
-    assert heartbeat_period_ms(64) == 100
+    assert heartbeat_period_ms(None) == heartbeat_period_ms(2) == heartbeat_period_ms(64) == HEARTBEAT_PERIOD_MS == 100
+    assert heartbeat_period_ms(65) == 102 and heartbeat_period_ms(128) == 200
     assert heartbeat_period_ms(1024) == 1600
     # beats answered a second, all ranks together, stay within 640 at every size
     for ranks in (2, 32, 33, 64, 128, 512, 1024, 4096):

@@ -5,6 +5,7 @@ ended on the network-namespace hosts) runs in tests/test_multinode.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from ddp_notebook.world.provisioning.ssh_hosts import (
     host_arguments,
     running_pids,
     sharing_options,
+    start_script,
 )
 
 
@@ -327,3 +329,31 @@ def test_waiting_for_an_ssh_engine_asks_its_host_with_ps(tmp_path: Path) -> None
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_rank_starts_from_one_script_its_key_never_on_a_command_line(tmp_path: Path) -> None:
+    """The script an SSH rank is started with, run by this machine's sh as the host's would: the
+    profile folder made private, the environment set from stdin (not visible in `ps`), the rank in a
+    session of its own, its output in its log, and its PID printed."""
+    profile, log_file = tmp_path / "remote profile", tmp_path / "remote profile" / "log" / "engine.log"
+    secret = "key with 'quotes' and $dollars"
+    rank = [
+        sys.executable,
+        "-c",
+        "import os, time; print(os.environ['IPP_KEY'], os.getsid(0) == os.getpid()); time.sleep(30)",
+    ]
+    script = start_script(str(profile), {"IPP_KEY": secret, "not a name": "x"}, rank, str(log_file))
+    done = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=30, check=True)
+    pid = int(done.stdout.strip())
+    try:
+        deadline = time.monotonic() + 20
+        while not (log_file.exists() and log_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (
+            log_file.read_text().split("\n")[0] == f"{secret} True"
+        )  # its own session: the ssh session's end spares it
+        assert secret not in Path(f"/proc/{pid}/cmdline").read_text()
+        for folder in ("log", "security", "pid", "startup"):
+            assert (profile / folder).stat().st_mode & 0o077 == 0
+    finally:
+        os.kill(pid, signal.SIGKILL)

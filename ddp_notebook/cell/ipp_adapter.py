@@ -115,6 +115,13 @@ class WatchedExit:
     def watch_exit(self) -> None:
         raise NotImplementedError
 
+    def started(self, pid: int) -> None:
+        """The engine runs as `pid` on its host, started by the subclass: what ipyparallel's start
+        does after its own (the start notice, the watch of its exit)."""
+        self.pid = pid
+        self.notify_start({"host": self.location, "pid": pid})  # type: ignore[attr-defined]
+        self._start_waiting()
+
     @property
     def watched(self) -> bool:
         """Whether the engine's exit is still to be noticed: it runs, and its launcher did not stop it."""

@@ -17,10 +17,11 @@ from .base import Provisioner
 log = logging.getLogger("ddp_notebook")
 
 # ipyparallel's heartbeat paces engine registration (an engine counts once it answered a beat,
-# seen at the next one): 3 s by default, which dominates start. At 50 ms a world of up to 32
-# ranks registers in 50-100 ms after its ranks are up (at 100 ms: 0.07 s more of a 0.45 s start);
-# the controller wakes 20 times a second, and a rank answers each beat in a zmq thread, without Python
-HEARTBEAT_PERIOD_MS = 50
+# seen at the next one): 3 s by default, which dominates start. At 100 ms the controller wakes
+# 10 times a second; a rank answers each beat in a zmq thread, without Python. (At 50 ms a start
+# took 0.07 s less, and the controller's heart monitor, in Python, spent twice the CPU: 2.4% of a
+# core more for an idle world of 4 ranks, taken from training ranks as well.)
+HEARTBEAT_PERIOD_MS = 100
 # how long a busy rank may miss heartbeats before the controller drops it: 10 s
 HEARTBEAT_LIMIT_MS = 10_000
 # the controller answers every rank's beat in Python: a larger world beats slower, so that it
