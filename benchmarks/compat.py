@@ -150,6 +150,23 @@ def prepare(name: str, releases: dict[str, str], wheel: Path, reuse: bool) -> Pa
     return python
 
 
+def prefetch(names: list[str]) -> int:
+    """Download what the combinations install into pip's cache (the install then reads it from
+    there): CI runs this beside the main suite, niced, so the oldest lane's CUDA torch (about 3 GB)
+    is not downloaded after it."""
+    for name in names:
+        releases = COMBINATIONS[name]
+        pins = [f"{package}=={release}" for package, release in releases.items()]
+        with tempfile.TemporaryDirectory(prefix="ddp-notebook-prefetch-") as scratch:
+            log(f"{name}: downloading {' '.join(pins)}")
+            run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--dest", scratch, *pins],
+                INSTALL_SECONDS,
+                env=pip_environment(releases["torch"]),
+            )
+    return 0
+
+
 def work_copy(into: Path) -> Path:
     """tests/, notebooks/, docs/ and the pytest settings, outside the repository: nothing there is the package."""
     for part in ("tests", "notebooks", "docs"):
@@ -320,6 +337,9 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep the environments of an earlier run")
     parser.add_argument("--smoke", action="store_true", help="also the wheel smoke test (quick start, fresh env)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/compat.json")
+    parser.add_argument(
+        "--prefetch", action="store_true", help="only download the combinations' packages into pip's cache, and exit"
+    )
     arguments = parser.parse_args()
     chosen = (
         list(COMBINATIONS) if arguments.only is None else [n.strip() for n in arguments.only.split(",") if n.strip()]
@@ -327,6 +347,8 @@ def main() -> int:
     unknown = [name for name in chosen if name not in COMBINATIONS]
     if unknown:
         parser.error(f"unknown combination {', '.join(unknown)}: one of {', '.join(COMBINATIONS)}")
+    if arguments.prefetch:
+        return prefetch(chosen)
     HOME.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, object]] = {}
     failed = False

@@ -10,7 +10,8 @@ from typing import Any
 
 HEADER = (
     "| scenario | subject | figure | per pair or round vs its reference | CPU us/step: training thread, "
-    "the tool's threads, launcher side | commit | command |\n|---|---|---|---|---|---|---|\n"
+    "the tool's threads, launcher side | load (1 min) at start, end | commit | command |\n"
+    "|---|---|---|---|---|---|---|---|\n"
 )
 # each scenario's headline figure in its summary: key, unit
 FIGURES = {"ready_s": "s to ready", "ms": "ms a cell", "steps_per_s": "steps/s"}
@@ -35,11 +36,19 @@ def _cost(entry: dict[str, Any]) -> str:
     return ", ".join(f"{cost[key]:.0f}" for key in keys if key in cost) or "-"
 
 
-def rows(scenario: str, summary: dict[str, Any], labels: dict[str, str], commit: str, command: str) -> list[str]:
-    """The table rows of one scenario's run."""
+def rows(
+    scenario: str,
+    summary: dict[str, Any],
+    labels: dict[str, str],
+    commit: str,
+    command: str,
+    load: tuple[float, float],
+) -> list[str]:
+    """The table rows of one scenario's run; `load`: the machine's load average at its start and end
+    (steps/s move with it; a run beside other work is told apart by it)."""
     return [
         f"| {scenario} | {labels.get(name, name)} | {_figure(entry)} | {_ratio(entry)} | {_cost(entry)} | "
-        f"`{commit}` | `{command}` |\n"
+        f"{load[0]:.1f}, {load[1]:.1f} | `{commit}` | `{command}` |\n"
         for name, entry in summary.items()
         if isinstance(entry, dict)
     ]

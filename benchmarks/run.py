@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
             labels = {subject: entry.get("label", subject) for subject, entry in results.items()}
             command = shlex.join(["python", "benchmarks/run.py", *arguments])
-            new_rows = dated_table.rows(name, summary, labels, str(info["ddp_notebook_commit"]), command)
+            load = (float(info["load_average"][0]), os.getloadavg()[0])
+            new_rows = dated_table.rows(name, summary, labels, str(info["ddp_notebook_commit"]), command, load)
             dated_table.record(RESULTS / "by_date.md", new_rows)
         if len(names) > 1:
             write_json((args.json or RESULTS) / f"{'peers-' if peers else ''}{name}.json", payload)

@@ -28,9 +28,9 @@ SUMMARY = {
 def test_runs_are_kept_in_one_table_per_day(tmp_path: Path) -> None:
     path = tmp_path / "by_date.md"
     command = "python benchmarks/run.py training"
-    rows = dated_table.rows("training", SUMMARY, {"ddp_kernel": "%%ddp"}, "abc1234", command)
+    rows = dated_table.rows("training", SUMMARY, {"ddp_kernel": "%%ddp"}, "abc1234", command, (1.04, 2.51))
     assert rows[0] == (
-        "| training | %%ddp | 129 steps/s (119-152) | 0.990x (0.94-1.04) | 3759, 49, 207 | `abc1234` | "
+        "| training | %%ddp | 129 steps/s (119-152) | 0.990x (0.94-1.04) | 3759, 49, 207 | 1.0, 2.5 | `abc1234` | "
         "`python benchmarks/run.py training` |\n"
     )
     assert rows[1].startswith("| training | torchrun | 127 steps/s (124-149) | - | - |")
