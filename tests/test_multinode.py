@@ -122,7 +122,7 @@ def test_ssh_world_spans_two_hosts(
         for rank in (0, 1):
             torch.testing.assert_close(weights[rank], reference.weight.detach(), rtol=1e-5, atol=1e-6)
 
-        # a cell past its limit is interrupted on both hosts (through the engines' nannies)
+        # a cell past its limit is interrupted on both hosts (over ssh: the ranks run without a nanny)
         with pytest.raises(CellTimeoutError):
             world.execute("import time\ntime.sleep(30)", timeout=2)
         assert world.execute("rank", stream=False).value_text(1) == "1"

@@ -111,6 +111,25 @@ class LauncherProvisioner(ControlledProvisioner):
             "PYTHONUNBUFFERED": "1",
         }
 
+    def engine_arguments(self) -> list[str]:
+        arguments = super().engine_arguments()
+        if self.config.launch.launcher == "ssh":
+            # the nanny, one more Python process per rank, took 1.2 s of every rank's start only to
+            # relay the controller's signals; an SSH world signals its ranks over ssh (`signal`)
+            arguments.append("--IPEngine.enable_nanny=False")
+        return arguments
+
+    def signal(self, ranks: Iterable[RankInfo], signum: int) -> None:
+        if self.config.launch.launcher != "ssh":
+            super().signal(ranks, signum)
+            return
+        ranks = list(ranks)
+        launchers = self._launchers_of(ranks)
+        found = {(launcher.pid) for launcher in launchers}
+        # a rank whose launcher is not known (the ranks of this host, say) goes the usual way
+        super().signal([info for info in ranks if info.pid not in found], signum)
+        ssh_hosts.signal_on_hosts(launchers, signum)
+
     def learn(self, identities: Iterable[Any]) -> None:
         """Which host of the list each engine runs on: its launcher's remote PID is its process."""
         if self.cluster is None:

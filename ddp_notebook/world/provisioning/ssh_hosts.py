@@ -292,6 +292,25 @@ def end_on_hosts(engines: Sequence[Any], seconds: float = SWEEP_SSH_SECONDS) -> 
     _together([lambda command=command, group=group: sweep(command, group) for command, group in by_host.items()])
 
 
+def signal_on_hosts(engines: Sequence[Any], signum: int) -> None:
+    """Send `signum` to `engines` (SSH engine launchers of one world), in one ssh session per host
+    for all its engines, the hosts at once, off the caller's thread: an SSH world's ranks run
+    without ipyparallel's nanny, which would take a second of each rank's start only to relay the
+    controller's signals. A host that does not answer is left to its watch."""
+    by_host: dict[tuple[str, ...], list[int]] = {}
+    for engine in engines:
+        if isinstance(engine, _QueuedSSHEngineLauncher) and engine.state == "running" and not engine.gone:
+            by_host.setdefault(engine.host_command(), []).append(int(engine.pid))
+
+    def send(command: tuple[str, ...], pids: list[int]) -> None:
+        done = run_on_host(command, f"kill -{int(signum)} {' '.join(map(str, pids))}", SIGNAL_SECONDS)
+        if done is None or done.returncode != 0:
+            log.debug("signal %s to ranks %s on %s failed: %s", signum, pids, command[-1], done and done.stderr.strip())
+
+    jobs = [lambda command=command, pids=pids: send(command, pids) for command, pids in by_host.items()]
+    threading.Thread(target=_together, args=(jobs,), name="ddp-ssh-signal", daemon=True).start()
+
+
 class _HostWatch:
     """Notices which engines of one host ended, asking for all of them in one short ssh session
     every `WATCH_SECONDS`; ends once none is left to watch."""
