@@ -114,7 +114,7 @@ class LauncherProvisioner(ControlledProvisioner):
     def engine_arguments(self) -> list[str]:
         arguments = super().engine_arguments()
         if self.config.launch.launcher == "ssh":
-            # the nanny, one more Python process per rank, took 1.2 s of every rank's start only to
+            # the nanny, one more Python process per rank (a starting rank waited 1.2 s for it), is only there to
             # relay the controller's signals; an SSH world signals its ranks over ssh (`signal`)
             arguments.append("--IPEngine.enable_nanny=False")
         return arguments
