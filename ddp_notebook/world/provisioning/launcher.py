@@ -72,7 +72,8 @@ class LauncherProvisioner(ControlledProvisioner):
         finally:
             ssh_hosts.wait_opened(opening)  # opened while the controller started
         # the connection info (with the key) goes to the engines in their environment, so no
-        # file has to be copied to their hosts; the nanny lets ranks elsewhere be interrupted.
+        # file has to be copied to their hosts; the nanny lets ranks of batch and MPI launchers be
+        # interrupted (an SSH world's are signalled over ssh).
         # An SSH hosts list with more slots than ranks starts the first ones (n is its limit).
         self.cluster.start_engines_sync(
             n=self.expected_ranks(),
@@ -114,8 +115,8 @@ class LauncherProvisioner(ControlledProvisioner):
     def engine_arguments(self) -> list[str]:
         arguments = super().engine_arguments()
         if self.config.launch.launcher == "ssh":
-            # the nanny, one more Python process per rank (a starting rank waited 1.2 s for it), is only there to
-            # relay the controller's signals; an SSH world signals its ranks over ssh (`signal`)
+            # the nanny, one more Python process per rank (a starting rank waited 1.2 s for it), is
+            # there only to relay the controller's signals; an SSH world signals its ranks over ssh
             arguments.append("--IPEngine.enable_nanny=False")
         return arguments
 
