@@ -236,3 +236,24 @@ def test_the_idle_limit_counts_from_the_last_cell_or_kernel(tmp_path: Path, monk
     assert ended and ended[0] - began >= 1.0 + 0.6 - 0.25, "the limit counts from the cell's end"
     status = wire.read_status(str(tmp_path / "w1"))
     assert status is not None and not status["busy"] and not status["attached"]
+
+
+def test_on_jupyterhub_the_world_ends_with_the_users_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp_notebook.world.detached import environment
+
+    monkeypatch.delenv("JUPYTERHUB_USER", raising=False)
+    assert wire.SERVER_ENV not in environment("w1", 60)
+    monkeypatch.setenv("JUPYTERHUB_USER", "alice")
+    told = environment("w1", 60)
+    assert told[wire.SERVER_ENV] == f"{os.getppid()}:{started_at(os.getppid())}", "the kernel's parent: the server"
+    assert (told[wire.DETACHED_ENV], told[wire.IDLE_LIMIT_ENV]) == (str(wire.entry_path("w1")), "60")
+    running_world(tmp_path, "w1")  # attached (this process): it would never be idle
+    watch = idle_limit.IdleWatch(wire.entry_path("w1"), limit=3600, private_dir=None)
+    watch.client = FakeHub()
+    ended: list[object] = []
+    monkeypatch.setattr(watch, "end", ended.append)
+    watch.server = (os.getpid(), started_at(os.getpid()))
+    monkeypatch.setattr(idle_limit.time, "sleep", lambda seconds: watch.__dict__.update(server=(gone_pid(), "1")))
+    began = time.monotonic()
+    watch.run()
+    assert len(ended) == 1 and time.monotonic() - began < 1.0

@@ -1,4 +1,5 @@
-"""A detached world ends itself when nobody uses it: a thread of its controller's process.
+"""A detached world ends itself when nobody uses it (or on JupyterHub, when the user's server stops):
+a thread of its controller's process.
 
 Every few seconds the controller asks its own hub, as an ipyparallel client, whether a request
 (a cell) is queued or running on any rank, and reads the world's entry for the kernel attached
@@ -39,6 +40,9 @@ def watch_idle(exit_process: Callable[[int], None]) -> None:
     limit = float(os.environ.get(wire.IDLE_LIMIT_ENV) or 3600)
     folders = [folder for folder in os.environ.get(OWNER_FOLDERS_ENV, "").split(os.pathsep) if folder]
     watch = IdleWatch(Path(entry_file), limit, folders[0] if folders else None)
+    server, _, server_started = os.environ.get(wire.SERVER_ENV, "").partition(":")
+    if server.isdigit():
+        watch.server = (int(server), server_started)
 
     def run() -> None:
         watch.run()
@@ -55,12 +59,18 @@ class IdleWatch:
         self.idle_since = time.time()
         self.recorded = False  # a kernel recorded the world (its group formed)
         self.client: Any = None
+        self.server: tuple[int, str] | None = None  # on JupyterHub: the user's server (PID, start time)
 
     def run(self) -> None:
         period = max(0.2, min(CHECK_SECONDS, self.limit / 4))
         while True:
             time.sleep(period)
             entry = wire.read_entry(self.entry_file)
+            if self.server is not None and not (
+                pid_alive(self.server[0]) and started_at(self.server[0]) == self.server[1]
+            ):
+                self.end(entry)  # the user's server stopped: its world goes with it
+                return
             self.recorded = self.recorded or entry is not None
             busy, attached = self.busy(), entry is not None and kernel_attached(entry)
             now = time.time()

@@ -25,6 +25,8 @@ ENTRY_VERSION = 1
 DETACHED_ENV = "DDP_NOTEBOOK_DETACHED"
 # seconds the world may stay idle (no cell running, no kernel attached) before its controller ends it
 IDLE_LIMIT_ENV = "DDP_NOTEBOOK_IDLE_LIMIT"
+# on JupyterHub, the user's server the world belongs to, as "PID:start time": the world ends with it
+SERVER_ENV = "DDP_NOTEBOOK_SERVER"
 # the status file the controller keeps in the world's private folder
 STATUS_FILE = "detached-status.json"
 

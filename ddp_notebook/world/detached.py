@@ -94,8 +94,13 @@ def record(world: RunningWorld) -> None:
 
 def environment(world_id: str, idle_limit: float) -> dict[str, str]:
     """What the processes of a detached world are told: their entry (the controller ends the world
-    from it) and the idle limit."""
-    return {wire.DETACHED_ENV: str(wire.entry_path(world_id)), wire.IDLE_LIMIT_ENV: f"{idle_limit:g}"}
+    from it), the idle limit, and on JupyterHub the user's server (this kernel's parent): the world
+    belongs to the server, whose stop ends it, whatever the spawner ends of the server's processes."""
+    told = {wire.DETACHED_ENV: str(wire.entry_path(world_id)), wire.IDLE_LIMIT_ENV: f"{idle_limit:g}"}
+    if os.environ.get("JUPYTERHUB_USER"):
+        server = os.getppid()
+        told[wire.SERVER_ENV] = f"{server}:{started_at(server)}"
+    return told
 
 
 def forget(world_id: str) -> None:

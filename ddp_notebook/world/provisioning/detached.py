@@ -66,6 +66,13 @@ class DetachedProvisioner(Provisioner):
             )
         return (*detached.layout_of(self.entry), ranks)
 
+    def keep_warm(self) -> object:
+        """A restart would end the world and find nothing to attach to: refused, before anything ends."""
+        raise DDPUsageError(
+            f"{self.config.launch.attach.describe()} cannot restart from here: %ddp_stop ends it, and "
+            "%ddp_start N --detach starts a new one"
+        )
+
     def too_few_message(self, registered: int, wanted: int) -> str:
         return f"only {registered} of the {wanted} ranks of {self.config.launch.attach.describe()} are registered"
 
