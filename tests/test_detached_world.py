@@ -65,7 +65,12 @@ def start_and_kill(folder: Path, start: str) -> tuple[wire.Entry, list[int]]:
     try:
         out, error = kernel.run(f"%load_ext ddp_notebook\n{start}")
         assert error is None and "detached: the world outlives this kernel" in out, out
-        out, error = kernel.run("%%ddp\nkept = rank + 40\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))")
+        out, error = kernel.run(
+            "%%ddp --setup\nkept = rank + 40\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))\n"
+            "step = 0\nddp_notebook.track(step=step)"
+        )
+        assert error is None, out
+        out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
         assert error is None, out
         entry = only_entry(folder)
         pids = [entry["controller_pid"], *entry["rank_pids"]]
@@ -105,9 +110,22 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(re
         out, error = kernel.run("%ddp_worlds")
         assert error is None and " attached " in next(line for line in out.splitlines() if entry["id"] in line), out
         out, error = kernel.run("%ddp_status")
-        assert error is None and "healthy" in out, out
+        assert error is None and "healthy" in out and "all_reduce" in out, out
+        # the tracked state: a failed cell, then every rank back at the snapshot the first kernel left
+        out, error = kernel.run("%%ddp\nstep = 7 + rank\nif rank == 0:\n    raise RuntimeError('midway')")
+        assert error == "RankError", out
+        out, error = kernel.run("%ddp_rollback")
+        assert error is None and "every rank is back at the snapshot taken at the end of a cell" in out, out
+        out, error = kernel.run("%ddp_restart")
+        assert error == "UsageError" and "cannot restart from here: %ddp_stop ends it" in out, out
+        # the supervision: a rank that dies is named, and the world goes on with the others at the snapshot
+        last = size - 1
+        out, error = kernel.run(f"%%ddp\nimport os\nstep = 6\nif rank == {last}:\n    os._exit(9)\ndist.barrier()")
+        assert error == "RankDiedError" and f"The world went on without rank {last}" in out, out
+        out, error = kernel.run("%%ddp\nprint('step', step, 'of', world_size)")
+        assert all(f"[rank {rank}] step 5 of {last}" in out for rank in range(last)), out
         out, error = kernel.run("%ddp_stop")
-        assert error is None and f"ended the detached world of {size} ranks" in out, out
+        assert error is None and f"ended the detached world of {last} ranks" in out, out
         assert wait_gone(family) == []
         assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
         out, error = kernel.run("%ddp_worlds")
