@@ -124,6 +124,12 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(re
         assert error == "RankDiedError" and f"The world went on without rank {last}" in out, out
         out, error = kernel.run("%%ddp\nprint('step', step, 'of', world_size)")
         assert all(f"[rank {rank}] step 5 of {last}" in out for rank in range(last)), out
+        if last > 2:  # it shrinks (it cannot grow: it starts no process)
+            out, error = kernel.run("%ddp_resize 2")
+            assert error is None and "the world has 2 ranks now" in out, out
+            out, error = kernel.run(f"%ddp_resize {last}")
+            assert error == "UsageError" and "cannot add ranks" in out, out
+            last = 2
         out, error = kernel.run("%ddp_stop")
         assert error is None and f"ended the detached world of {last} ranks" in out, out
         assert wait_gone(family) == []

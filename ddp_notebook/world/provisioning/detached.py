@@ -5,7 +5,7 @@ file is and who each rank is: attaching is connecting a client and reading the r
 word to the ranks (a rank running a cell would answer only once the cell ends). `stop()` ends the
 world for real, as `%ddp_stop` in the kernel that started it would; a kernel that merely exits or
 dies leaves it running. It cannot start processes: a lost rank is not replaced (the world shrinks
-to the survivors) and the world cannot grow or restart.
+to the survivors) and the world cannot grow or restart; it can shrink.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
+from collections.abc import Iterable
 from typing import Any
 
 from ...errors import DDPUsageError, StartError, one_line
 from ...platform import processes
 from ...platform.cluster_files import remove_cluster_files
 from ...wire import detached as wire
+from ...wire.results import RankInfo
 from .. import detached
 from .base import Formed, Provisioner
 from .controlled import STOP_SECONDS
@@ -57,14 +60,8 @@ class DetachedProvisioner(Provisioner):
         return self.client
 
     def formed(self) -> Formed | None:
-        ranks = detached.ranks_of(self.entry)
-        missing = [rank for rank, info in ranks.items() if not processes.pid_alive(info.pid)]
-        if missing:
-            raise StartError(
-                f"rank(s) {', '.join(map(str, sorted(missing)))} of the detached world {self.entry['id']} are gone: "
-                "%ddp_stop ends what is left of it"
-            )
-        return (*detached.layout_of(self.entry), ranks)
+        # a rank that died meanwhile is found by the supervision, as any lost rank
+        return (*detached.layout_of(self.entry), detached.ranks_of(self.entry))
 
     def keep_warm(self) -> object:
         """A restart would end the world and find nothing to attach to: refused, before anything ends."""
@@ -75,6 +72,16 @@ class DetachedProvisioner(Provisioner):
 
     def too_few_message(self, registered: int, wanted: int) -> str:
         return f"only {registered} of the {wanted} ranks of {self.config.launch.attach.describe()} are registered"
+
+    def remove(self, ranks: Iterable[RankInfo]) -> None:
+        """End the processes of `ranks` (the world shrinking): they are the world's own."""
+        infos = list(ranks)
+        if self.client is not None:
+            try:
+                self.client.shutdown(targets=[info.engine_id for info in infos], block=False)
+            except Exception:
+                log.debug("asking ranks to shut down failed", exc_info=True)
+        processes.kill_survivors([info.pid for info in infos])
 
     @property
     def pids(self) -> list[int]:
@@ -98,16 +105,23 @@ class DetachedProvisioner(Provisioner):
                 client.close()
             return
         entry, self.ended = self.entry, True
-        pids = [pid for pid in self.pids if processes.pid_alive(pid)]
-        family = pids + processes.descendants(pids)  # a rank's DataLoader workers, the controller's helpers
+        ranks = [pid for pid in entry["rank_pids"] if processes.pid_alive(pid)]
+        controller = entry["controller_pid"]
+        # a rank's DataLoader workers, the controller's helpers: all of it ends here
+        family = [*ranks, controller, *processes.descendants([*ranks, controller])]
         if client is not None:
             try:
-                # ranks exit cleanly first, then the controller; stragglers are killed below
-                client.shutdown(targets="all", hub=True, block=False)
+                client.shutdown(targets="all", block=False)  # the ranks exit cleanly first
+                processes.wait_gone(ranks, STOP_SECONDS / 3)
             except Exception:
-                log.debug("asking the world to shut down failed", exc_info=True)
+                log.debug("asking the ranks to shut down failed", exc_info=True)
             client.close()
-        processes.kill_survivors(family, wait=STOP_SECONDS / 2)
+        if processes.pid_alive(controller):
+            try:
+                os.kill(controller, signal.SIGTERM)  # not our child: ended by its PID, as ipyparallel's stop does
+            except OSError:
+                pass
+        processes.kill_survivors(family, wait=STOP_SECONDS / 3)
         profile = os.path.dirname(os.path.dirname(entry["connection_file"]))
         remove_cluster_files(profile, entry["id"])
         detached.forget(entry["id"])
