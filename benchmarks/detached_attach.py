@@ -4,8 +4,11 @@ kernel's death a world nobody attaches ends itself.
     python benchmarks/detached_attach.py [--ranks 2] [--repeats 3] [--idle-limit 3]
 
 Each repeat: a real kernel starts `%ddp_start N --detach`, sets a variable on every rank and is
-SIGKILLed; a second kernel (the extension loaded) runs `%ddp_attach`, timed as the cell's round trip
-from the client, then an all-reduce reading the variable, then `%ddp_stop`. Once more with
+SIGKILLed; a second kernel loads the extension, lists the worlds (`%ddp_worlds`, timed: the first
+cell after `%load_ext` also waits for what the extension preloads between cells) and runs
+`%ddp_attach`, timed as the cell's round trip from the client and as the world's own start
+(`world.start_seconds`, what its summary says), then an all-reduce reading the variable, then
+`%ddp_stop`. Once more with
 `--idle-limit S` and no second kernel: timed from the kill until the last process of the world is
 gone. Prints each repeat's seconds and their median. The user's registry goes to a temporary folder.
 """
@@ -48,7 +51,7 @@ def start_and_kill(ranks: int, extra: str) -> list[int]:
     return pids + descendants(pids)
 
 
-def attach_once(ranks: int) -> float:
+def attach_once(ranks: int) -> tuple[float, float, float]:
     from tests.conftest import wait_gone
     from tests.test_kernel import Kernel
 
@@ -58,16 +61,22 @@ def attach_once(ranks: int) -> float:
         out, error = kernel.run("%load_ext ddp_notebook")
         assert error is None, out
         began = time.perf_counter()
+        out, error = kernel.run("%ddp_worlds")
+        listing = time.perf_counter() - began
+        assert error is None, out
+        began = time.perf_counter()
         out, error = kernel.run("%ddp_attach")
         seconds = time.perf_counter() - began
         assert error is None and "attached again" in out, out
+        out, error = kernel.run("print(get_ipython().magics_manager.registry['DDPMagics'].world.start_seconds)")
+        own = float(out.strip())
         out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item())")
         assert error is None and f"[rank {ranks - 1}] Out: ({40 + ranks - 1}, {float(ranks)})" in out, out
         kernel.run("%ddp_stop")
     finally:
         kernel.close()
     assert wait_gone(pids) == [], "processes outlived %ddp_stop"
-    return seconds
+    return listing, seconds, own
 
 
 def idle_end_once(ranks: int, limit: float) -> float:
@@ -88,10 +97,13 @@ def main() -> None:
     exit_on_sigterm()
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="bench-detached-")  # the kernels inherit it
     print(machine_info())
-    attach = [attach_once(args.ranks) for _ in range(args.repeats)]
+    runs = [attach_once(args.ranks) for _ in range(args.repeats)]
+    listings, cells, own = ([run[index] for run in runs] for index in range(3))
+    print(f"the first cell after %load_ext (%ddp_worlds): {', '.join(f'{s:.2f}' for s in listings)} s")
     print(
-        f"%ddp_attach, {args.ranks} ranks, after the kernel was SIGKILLed: "
-        f"{', '.join(f'{s:.2f}' for s in attach)} s (median {statistics.median(attach):.2f} s)"
+        f"%ddp_attach, {args.ranks} ranks, after the kernel was SIGKILLed: the cell "
+        f"{', '.join(f'{s:.2f}' for s in cells)} s (median {statistics.median(cells):.2f} s); "
+        f"the world's start {', '.join(f'{s:.2f}' for s in own)} s"
     )
     ends = [idle_end_once(args.ranks, args.idle_limit) for _ in range(args.repeats)]
     print(
