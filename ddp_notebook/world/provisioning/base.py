@@ -17,12 +17,12 @@ from ...platform.limits import OomVerdict
 from ...wire.results import Death, RankInfo
 from .. import detached
 from ..config import WorldConfig
-from ..layout import Placement
 
 log = logging.getLogger("ddp_notebook")
 
-# a world formed before: backend, where each rank runs, its route to rank 0, who each rank is
-Formed = tuple[str, list[Placement], dict[int, tuple[str, str | None]], dict[int, RankInfo]]
+# a world formed before: backend, where each rank runs (`layout.Placement`s), its route to rank 0, who
+# each rank is
+Formed = tuple[str, list[Any], dict[int, tuple[str, str | None]], dict[int, RankInfo]]
 
 
 class Provisioner(ABC):
