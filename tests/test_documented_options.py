@@ -31,6 +31,7 @@ BY_HAND: dict[str, tuple[int, int | None]] = {
     "ddp_restart": (0, 0),
     "ddp_rollback": (0, 0),
     "ddp_status": (0, 0),
+    "ddp_worlds": (0, 0),
     "ddp_metrics": (0, 0),
     "ddp_resize": (1, 1),
     "ddp_output": (1, 1),

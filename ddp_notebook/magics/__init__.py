@@ -1,7 +1,7 @@
 """The `%ddp_*` magics and `%%ddp`: each parses its line once and makes one API call.
 
 `core` holds the world magics and the notebook's one world, `cell` the cell magics, `jobs` the
-job magics; `arguments` declares the options they share.
+job magics, `worlds` the listing of detached worlds; `arguments` declares the options they share.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from .arguments import parse_line
 from .cell import CellMagics
 from .core import DDPMagics, preload_widgets, start_config
 from .jobs import JobsMagics
+from .worlds import WorldsMagics
 
 # every magics class, the world's holder first: each is registered under its class name
-MAGICS_CLASSES = (DDPMagics, CellMagics, JobsMagics)
+MAGICS_CLASSES = (DDPMagics, CellMagics, JobsMagics, WorldsMagics)
 
 __all__ = [
     "MAGICS_CLASSES",
     "CellMagics",
     "DDPMagics",
     "JobsMagics",
+    "WorldsMagics",
     "load",
     "magic",
     "parse_line",
@@ -46,7 +48,7 @@ def load(ipython: Any) -> None:
     registry = ipython.magics_manager.registry
     if registry.get("DDPMagics") is None:
         worlds = DDPMagics(ipython)
-        ipython.register_magics(worlds, CellMagics(ipython, worlds), JobsMagics(ipython, worlds))
+        ipython.register_magics(worlds, CellMagics(ipython, worlds), JobsMagics(ipython, worlds), WorldsMagics(ipython))
     # torch imported in the background while the user reads on: %ddp_start forks ranks from it
     spare.start_spare()
     preload_widgets()  # once this cell has run, between cells

@@ -152,6 +152,18 @@ start_args = options(
         action="store_true",
         help="strict mode: the ranks compare op and shapes before each collective (ddp_notebook.check_collectives)",
     ),
+    argument(
+        "--detach",
+        action="store_true",
+        help="the world outlives this kernel (killed or restarted): %%ddp_attach from a new kernel finds it",
+    ),
+    argument(
+        "--idle-limit",
+        type=float,
+        default=config.DEFAULT_IDLE_LIMIT,
+        help="--detach: seconds with no cell running and no kernel attached before the world ends itself "
+        "(default: %(default)g, an hour)",
+    ),
 )
 # the magics' options spelled differently from WorldConfig.build's keywords
 KEYWORDS = {"time": "time_limit", "config": "settings", "collective_timeout": "timeout", "ipp_profile": "profile"}

@@ -114,20 +114,26 @@ class DDPMagics(Magics):
     )
     @argument("--cluster-id", default=None, help="the cluster's id (ipcluster start --cluster-id ...)")
     @argument("-n", default=None, help="ranks: wait for this many engines (default: those registered now)")
+    @argument("--world", default=None, help="a detached world's id (%%ddp_worlds lists them)")
     @world_args
     @line_magic
     @usage_errors
     def ddp_attach(self, line: str) -> None:
-        """Build a world from the engines of an ipyparallel cluster started elsewhere.
+        """Attach again to a detached world, or build a world from the engines of an ipyparallel cluster.
 
+        `%ddp_attach`: this notebook's newest detached world (`%ddp_start N --detach`), else the only
+        one of yours; `%ddp_attach --world ID` names one. `%ddp_stop` then ends it.
         `%ddp_attach --ipp-profile mpi`, `%ddp_attach --cluster-id 1712345678-abcd`, or
-        `%ddp_attach path/to/ipcontroller-client.json`. `%ddp_stop` lets go of the engines
-        and leaves them running.
+        `%ddp_attach path/to/ipcontroller-client.json`: an ipcluster's engines, which `%ddp_stop`
+        leaves running.
         """
         args = parse_line(self.ddp_attach, line)
+        if args.world is not None or not (args.url_file or args.ipp_profile or args.cluster_id or args.n):
+            self._start(DDPCluster.attach_detached(args.world), args.restart)
+            return
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         check_backend(args.backend)
-        options = build_options(args, "url_file", "ipp_profile", "cluster_id", "n", "restart")
+        options = build_options(args, "url_file", "ipp_profile", "cluster_id", "n", "restart", "world")
         world = DDPCluster.attach_to(
             args.url_file, profile=args.ipp_profile, cluster_id=args.cluster_id, n_ranks=n_ranks, **options
         )
@@ -174,7 +180,8 @@ class DDPMagics(Magics):
     def ddp_stop(self) -> None:
         """Stop every rank and the controller (harmless when nothing runs).
 
-        An attached world lets go of its engines and leaves them running.
+        An attached world lets go of its engines and leaves them running; a detached world ends,
+        from whichever kernel is attached to it.
         """
         world, self.world = self.world, None
         spare.discard_spare()  # nothing of ours outlives %ddp_stop, a template no world took included
@@ -182,7 +189,9 @@ class DDPMagics(Magics):
         if world is None or not world.stop():
             print("no DDP world is running; nothing to stop")
             return
-        if world.attached:
+        if world.config.detach:
+            print(f"ended the detached world of {size} ranks (its processes and files)")
+        elif world.attached:
             print(f"left the world of {size} ranks; its engines keep running in their cluster")
         else:
             print(f"stopped the world of {size} ranks")

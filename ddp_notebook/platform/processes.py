@@ -172,6 +172,18 @@ def kill_survivors(pids: list[int], wait: float = 3.0) -> None:
             pass
 
 
+def started_at(pid: int) -> str:
+    """When process `pid` started, in clock ticks since boot ("" when unknown): with its PID, it names
+    one process, however often the PID is reused (Linux's /proc; elsewhere always "")."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return ""
+    fields = text.rpartition(")")[2].split()  # the name in parentheses may hold spaces
+    return fields[19] if len(fields) > 19 else ""
+
+
 def pid_alive(pid: int) -> bool:
     try:
         finished, _ = os.waitpid(pid, os.WNOHANG)

@@ -3,7 +3,8 @@
 Both run ipyparallel's own entry points, with two additions:
 - an owner watch: if the kernel that started the world dies (even by SIGKILL, when no
   clean-up can run there), these processes notice within a second or two and exit, so a
-  dead kernel never leaves engines holding GPUs;
+  dead kernel never leaves engines holding GPUs (a detached world's processes outlive the
+  kernel instead: its controller ends the world once idle past its limit, `idle_limit`);
 - on ranks, torch is imported in a background thread while the engine registers with the
   controller, so the two waits overlap instead of adding up.
 """
@@ -58,16 +59,22 @@ def watch_owner() -> None:
     def watch() -> None:
         while _owner_alive(owner_pid, parent_pid):
             time.sleep(OWNER_POLL_SECONDS)
-        # no clean shutdown is possible: the peers and the controller are going away too.
-        # The launcher made this process the leader of its own process group; the group
-        # holds the helpers it forked (the controller's schedulers), which must go too.
-        _kill_children()
-        _remove_cluster_files()
-        if os.getpgid(0) == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
-        os._exit(3)
+        # no clean shutdown is possible: the peers and the controller are going away too
+        end_here(code=3)
 
     threading.Thread(target=watch, name="ddp-owner-watch", daemon=True).start()
+
+
+def end_here(code: int) -> None:
+    """Exit now, with the processes this one started, and (the controller) the world's files.
+
+    The launcher made this process the leader of its own process group; the group holds the
+    helpers it forked (the controller's schedulers), which must go too."""
+    _kill_children()
+    _remove_cluster_files()
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(code)
 
 
 def _kill_children() -> None:
@@ -145,6 +152,9 @@ def engine_main() -> None:
 def controller_main() -> None:
     os.environ[CONTROLLER_ENV] = "1"  # only the controller removes connection files
     watch_owner()
+    from .idle_limit import watch_idle
+
+    watch_idle(end_here)  # a detached world's only: it has no owner to watch
     from ipyparallel.controller.app import main
 
     from .ipp_process_adapter import skip_hub_settle_sleep

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -106,15 +105,19 @@ class DDPCluster:
         n_ranks: int | None = None,
         **options: Any,
     ) -> DDPCluster:
-        """A world built from the engines of an ipyparallel cluster started elsewhere.
-
-        Find it by its client connection file (`ipcontroller-client.json`), or by profile and
-        cluster id (`ipcluster start --profile P --cluster-id C`). `n_ranks`: wait for that
-        many engines (default: the ones registered now). `stop()` lets go of the engines and
-        leaves them running: they belong to whoever started them.
-        """
+        """A world of the engines of an ipyparallel cluster started elsewhere, found by its client
+        connection file or by profile and cluster id (`ipcluster start --profile P --cluster-id C`);
+        `n_ranks`: wait for that many (default: those registered now). `stop()` leaves them running."""
         target = config.AttachTarget(url_file=url_file, profile=profile, cluster_id=cluster_id)
         return cls(n_ranks, attach=target, **options)
+
+    @classmethod
+    def attach_detached(cls, world: str | None = None, **options: Any) -> DDPCluster:
+        """A world of the detached world `world` (an id `%ddp_worlds` lists; default: this notebook's
+        newest, else the user's only one), every rank's variables kept; `stop()` ends it. `%ddp_attach`."""
+        from . import detached
+
+        return cls(detached.attach_config(detached.choose(world), **options))
 
     # ------------------------------------------------------------------ what it is
 
@@ -233,22 +236,17 @@ class DDPCluster:
         began = time.perf_counter()
         deadline = began + self.config.start_timeout
         self._lifecycle.starting()
-        private_dir = tempfile.mkdtemp(prefix="ddp-notebook-")
         self.restarts = 0  # new processes: nothing was set up on them yet
-        provisioner = provisioning.provisioner_for(self.config, private_dir, warm)
+        provisioner = provisioning.provisioner_for(self.config, tempfile.mkdtemp(prefix="ddp-notebook-"), warm)
+        private_dir = provisioner.private_dir  # (a detached world attached again has its own)
         try:
             with failing_as("start the world", error=StartError, keep_ddp_errors=True, chained=True):
-                client = provisioner.start()
-                identities = forming.wait_for_engines(provisioner, deadline)
-                if clear_namespaces and provisioner.clears_namespaces_on_restart:
-                    client.clear(targets=[i.engine_id for i in identities], block=True)
-                layout = forming.place(self.config, identities)
-                forming.plan_routes(provisioner, layout, deadline)
-                ranks = forming.join_process_group(client, self.config, layout, private_dir, deadline)
+                provisioner.start()
+                layout, ranks = forming.form(provisioner, private_dir, deadline, clear_namespaces)
                 self._world = RunningWorld.open(provisioner, layout, ranks, private_dir)
                 self._syncer = file_sync.Syncer(os.getcwd())
         except BaseException:  # KeyboardInterrupt too: nothing of the world is left running
-            self._teardown(provisioner, private_dir)
+            self._teardown(provisioner)
             raise
         self.start_seconds = time.perf_counter() - began
         self._lifecycle.ready()
@@ -265,7 +263,7 @@ class DDPCluster:
         regroup.leave_process_group(world, self.broken)  # before the processes go: gloo/nccl abort otherwise
         world.supervisor.close()
         self.tracking.close()
-        self._teardown(world.provisioner, world.private_dir)
+        self._teardown(world.provisioner)
         return True
 
     def activate(self) -> DDPCluster:
@@ -282,11 +280,11 @@ class DDPCluster:
         shell.magics_manager.registry["DDPMagics"].adopt(self)
         return self
 
-    def _teardown(self, provisioner: provisioning.Provisioner, private_dir: str) -> None:
+    def _teardown(self, provisioner: provisioning.Provisioner) -> None:
         self._world = None
         self._lifecycle.stopped()
         provisioner.stop()
-        shutil.rmtree(private_dir, ignore_errors=True)
+        provisioner.remove_private_dir()
 
     # ------------------------------------------------------------------ running cells
 

@@ -22,6 +22,10 @@ BACKEND_CHOICES = ("auto", "nccl", "gloo")
 
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_START_TIMEOUT = 90.0
+# how long a detached world waits with no cell running and no kernel attached before it ends itself:
+# long enough for a lunch break or a kernel restart, short enough that a forgotten world does not
+# hold its GPUs overnight
+DEFAULT_IDLE_LIMIT = 3600.0
 # lost ranks a world goes on after by itself (replaced or shrunk around): enough for the odd crash
 # or killed process, few enough that a cell which kills its rank every time (an out-of-memory
 # step) stops after three tries
@@ -83,6 +87,10 @@ class WorldConfig:
     # communication: every collective returns at once, with wrong values), so hundreds of ranks fit
     # one machine while the engines, channel, X-ray, live view and reports run for real
     simulated: bool = False
+    # the controller and the ranks outlive this kernel (`%ddp_attach` from another finds them); the
+    # world ends itself after `idle_limit` seconds with no cell running and no kernel attached
+    detach: bool = False
+    idle_limit: float = DEFAULT_IDLE_LIMIT
 
     def __post_init__(self) -> None:
         if self.n_ranks is not None or self.launch.attach is None:
@@ -119,6 +127,11 @@ class WorldConfig:
             raise DDPUsageError(f"max restarts must be >= 0 (0: a dead rank breaks the world), got {self.max_restarts}")
         if self.on_loss not in ON_LOSS_CHOICES:
             raise DDPUsageError(f"on loss must be one of {', '.join(ON_LOSS_CHOICES)}, got '{self.on_loss}'")
+        check_seconds("idle limit", self.idle_limit)
+        if self.detach:
+            _check_detachable(self.launch)
+            if self.warm_start and self.launch.attach is None:
+                raise DDPUsageError("a detached world's ranks start as fresh interpreters: give warm_start=False")
 
     @property
     def device_kind(self) -> str:
@@ -149,6 +162,8 @@ class WorldConfig:
         autoreload: bool = True,
         force: bool = False,
         simulated: bool = False,
+        detach: bool = False,
+        idle_limit: float = DEFAULT_IDLE_LIMIT,
         **shortcuts: Any,
     ) -> WorldConfig:
         """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
@@ -188,6 +203,10 @@ class WorldConfig:
           one thread join torch's fake process group (every collective returns at once, with wrong
           values, and no rank talks to another), so hundreds fit one machine while the engines,
           channel, X-ray, live view and reports run for real; the memory and cores check is off.
+        - `detach`: the controller and the ranks (started here) outlive this kernel, killed or
+          restarted: `DDPCluster.attach_detached()` (`%ddp_attach`) from a new kernel finds them with
+          every variable; such a world ends itself after `idle_limit` seconds (default
+          DEFAULT_IDLE_LIMIT, an hour) with no cell running and no kernel attached, or with `stop()`.
         """
         unknown = set(shortcuts) - set(launchers.SHORTCUTS)
         if unknown:
@@ -223,12 +242,16 @@ class WorldConfig:
             master_addr=address,
             curve=curve or not is_loopback(address),
             launch=launch,
-            warm_start=warm_start,
+            # a detached world's ranks start as fresh interpreters: forked from the warm template
+            # (this kernel's child, which ends with it) they would carry the kernel's watch
+            warm_start=warm_start and not detach,
             max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
             on_loss=str(on_loss),
             check_collectives=bool(check_collectives),
             autoreload=bool(autoreload),
             simulated=bool(simulated),
+            detach=bool(detach),
+            idle_limit=idle_limit,
         )
 
 
@@ -239,8 +262,11 @@ class AttachTarget:
     url_file: str | None = None
     profile: str | None = None
     cluster_id: str | None = None
+    world: str | None = None  # a detached world's id: its entry in the user's registry says where it is
 
     def describe(self) -> str:
+        if self.world:
+            return f"the detached world {self.world}"
         if self.url_file:
             return self.url_file
         return f"profile {self.profile or 'default'}" + (f", cluster {self.cluster_id}" if self.cluster_id else "")
@@ -268,6 +294,20 @@ class LaunchConfig:
     def is_local(self) -> bool:
         """Ranks started here, one process per rank (the rank's env and GPU set before it starts)."""
         return self.launcher == launchers.LOCAL and self.attach is None
+
+
+def _check_detachable(launch: LaunchConfig) -> None:
+    """A detached world is one whose processes this machine started (or one of those, attached again)."""
+    if launch.attach is not None and launch.attach.world is None:
+        raise DDPUsageError(
+            "--detach starts a world that outlives the kernel; an attached cluster's engines outlive it "
+            "already: leave out --detach"
+        )
+    if launch.attach is None and not launch.is_local:
+        raise DDPUsageError(
+            f"--detach keeps ranks started on this machine (--launcher local); ranks started with --launcher "
+            f"{launch.launcher} belong to that launcher's job: leave out --detach"
+        )
 
 
 def check_seconds(name: str, value: float) -> None:

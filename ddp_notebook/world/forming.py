@@ -243,3 +243,22 @@ def _notebook_address(config: WorldConfig) -> str | None:
     """Where ranks on other hosts reach this host: the controller's address, which they reach
     already (or, for a world attached to a controller on loopback, this host's primary address)."""
     return config.master_addr if not is_loopback(config.master_addr) else network.primary_address()
+
+
+def form(
+    provisioner: Provisioner, private_dir: str, deadline: float, clear_namespaces: bool
+) -> tuple[WorldLayout, dict[int, RankInfo]]:
+    """The started processes of `provisioner` as ranks of one new process group: (layout, rank map);
+    a world formed before (a detached world attached again) as it was formed.
+    `clear_namespaces`: a restart of a world that cannot start processes clears its engines instead."""
+    earlier = provisioner.formed()
+    if earlier is not None:
+        backend, placements, routes, ranks = earlier
+        return WorldLayout(backend, placements, routes), ranks
+    config, client = provisioner.config, provisioner.client
+    identities = wait_for_engines(provisioner, deadline)
+    if clear_namespaces and provisioner.clears_namespaces_on_restart:
+        client.clear(targets=[i.engine_id for i in identities], block=True)
+    world = place(config, identities)
+    plan_routes(provisioner, world, deadline)
+    return world, join_process_group(client, config, world, private_dir, deadline)

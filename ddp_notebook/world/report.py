@@ -44,7 +44,12 @@ def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str
     seconds = world.start_seconds or 0.0
     size = f"{world.world_size} rank{'s' if world.world_size != 1 else ''}"
     attach = world.config.launch.attach
-    if attach is not None:
+    if attach is not None and attach.world is not None:
+        heading = (
+            f"DDP world ready: {size}, {world.backend}, attached again to {attach.describe()} in {seconds:.1f} s "
+            "(every rank's variables kept; %ddp_stop ends it)"
+        )
+    elif attach is not None:
         heading = (
             f"DDP world ready: {size}, {world.backend}, attached to {attach.describe()} in {seconds:.1f} s "
             "(%ddp_stop leaves its engines running)"
@@ -59,6 +64,11 @@ def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str
         notes.append(f"hosts: {describe_layout(ranks)}")
     if world.config.curve:
         notes.append("ipyparallel traffic is encrypted (CurveZMQ)")
+    if world.config.detach and attach is None:
+        notes.append(
+            "detached: the world outlives this kernel (%ddp_attach in a new kernel attaches again); it ends "
+            f"itself after {world.config.idle_limit:g} s with no cell running and no kernel attached, or with %ddp_stop"
+        )
     if world.config.check_collectives:
         notes.append("strict mode: every collective of the default group is checked (op, shapes) before it runs")
     notes.extend(f"warning: {warning}" for warning in warnings)

@@ -49,6 +49,7 @@ class RunningWorld:
         supervisor = WorldSupervisor(provisioner, controller, lambda: world.ranks, private_dir)
         world = cls(provisioner, layout, ranks, private_dir, controller, supervisor)
         supervisor.watch_ranks()
+        provisioner.opened(world)
         return world
 
     @property
@@ -73,3 +74,4 @@ class RunningWorld:
         self.ranks = ranks
         self._views.clear()  # engine ids may have changed
         self.supervisor.watch_ranks()  # new processes elsewhere: watched from now on
+        self.provisioner.opened(self)  # a detached world's entry says who its ranks are now

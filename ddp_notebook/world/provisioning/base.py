@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 from abc import ABC, abstractmethod
@@ -14,9 +15,14 @@ from ...errors import DDPUsageError
 from ...platform import processes
 from ...platform.limits import OomVerdict
 from ...wire.results import Death, RankInfo
+from .. import detached
 from ..config import WorldConfig
 
 log = logging.getLogger("ddp_notebook")
+
+# a world formed before: backend, where each rank runs (`layout.Placement`s), its route to rank 0, who
+# each rank is
+Formed = tuple[str, list[Any], dict[int, tuple[str, str | None]], dict[int, RankInfo]]
 
 
 class Provisioner(ABC):
@@ -52,6 +58,22 @@ class Provisioner(ABC):
     @abstractmethod
     def too_few_message(self, registered: int, wanted: int) -> str:
         """What to say when too few ranks registered in time."""
+
+    def formed(self) -> Formed | None:
+        """How a world whose group formed before (a detached world attached again) was formed: its
+        backend, placements, routes and rank map; None: the started processes form one now."""
+        return None
+
+    def opened(self, world: Any) -> None:
+        """The world's group formed (or formed again: a heal, a comeback, a resize) as `world` (a
+        `RunningWorld`): a detached world records who its ranks are now, and that this kernel is attached."""
+        if self.config.detach:
+            detached.record(world)
+
+    def remove_private_dir(self) -> None:
+        """Remove the world's private folder, its processes gone (a detached world attached again keeps
+        it unless it was ended)."""
+        shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def keep_warm(self) -> object:
         """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""

@@ -12,6 +12,7 @@ from typing import Any
 from ...cell.ipp_adapter import recorded_exit
 from ...platform import processes
 from ...platform.cluster_files import remove_cluster_files
+from .. import detached
 from .base import Provisioner
 
 log = logging.getLogger("ddp_notebook")
@@ -53,7 +54,10 @@ class ControlledProvisioner(Provisioner):
         self.cluster: Any = None
 
     def owner_environment(self) -> dict[str, str]:
-        """Tells the processes whose they are: they exit when this kernel dies."""
+        """Tells the processes whose they are: they exit when this kernel dies (a detached world's
+        outlive it: its controller ends the world once idle, the ranks end with their controller)."""
+        if self.config.detach:
+            return detached.environment(str(self.cluster.cluster_id), self.config.idle_limit)
         return processes.owner_environment()
 
     def make_cluster(self, controller_options: dict[str, Any] | None = None, **options: Any) -> Any:
@@ -202,6 +206,8 @@ class ControlledProvisioner(Provisioner):
                 log.debug("stopping the cluster failed", exc_info=True)
             processes.kill_survivors(family)
             remove_cluster_files(cluster.profile_dir, cluster.cluster_id)
+            if self.config.detach:
+                detached.forget(str(cluster.cluster_id))
 
     def _end_ranks_elsewhere(self, cluster: Any) -> None:
         """End the ranks on other hosts that are still there once asked to exit (a launcher's own way)."""

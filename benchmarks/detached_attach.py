@@ -1,0 +1,116 @@
+"""A detached world found again from a new kernel: how long `%ddp_attach` takes, and how long after its
+kernel's death a world nobody attaches ends itself.
+
+    python benchmarks/detached_attach.py [--ranks 2] [--repeats 3] [--idle-limit 3]
+
+Each repeat: a real kernel starts `%ddp_start N --detach`, sets a variable on every rank and is
+SIGKILLed; a second kernel loads the extension, lists the worlds (`%ddp_worlds`, timed: the first
+cell after `%load_ext` also waits for what the extension preloads between cells) and runs
+`%ddp_attach`, timed as the cell's round trip from the client and as the world's own start
+(`world.start_seconds`, what its summary says), then an all-reduce reading the variable, then
+`%ddp_stop`. Once more with
+`--idle-limit S` and no second kernel: timed from the kill until the last process of the world is
+gone. Prints each repeat's seconds and their median. The user's registry goes to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import exit_on_sigterm, machine_info
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.test_kernel; ddp_notebook as installed
+
+
+def start_and_kill(ranks: int, extra: str) -> list[int]:
+    """A kernel starts a detached world, sets `kept`, and is SIGKILLed; the world's PIDs."""
+    from ddp_notebook.platform.processes import descendants
+    from ddp_notebook.wire import detached as wire
+    from tests.test_kernel import Kernel
+
+    kernel = Kernel()
+    try:
+        out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {ranks} --detach {extra}")
+        assert error is None, out
+        out, error = kernel.run("%%ddp\nkept = rank + 40")
+        assert error is None, out
+        (path,) = wire.registry_dir().glob("*.json")
+        entry = wire.read_entry(path)
+        assert entry is not None
+        pids = [entry["controller_pid"], *entry["rank_pids"]]
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+    finally:
+        kernel.close()
+    return pids + descendants(pids)
+
+
+def attach_once(ranks: int) -> tuple[float, float, float]:
+    from tests.conftest import wait_gone
+    from tests.test_kernel import Kernel
+
+    pids = start_and_kill(ranks, "")
+    kernel = Kernel()
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook")
+        assert error is None, out
+        began = time.perf_counter()
+        out, error = kernel.run("%ddp_worlds")
+        listing = time.perf_counter() - began
+        assert error is None, out
+        began = time.perf_counter()
+        out, error = kernel.run("%ddp_attach")
+        seconds = time.perf_counter() - began
+        assert error is None and "attached again" in out, out
+        out, error = kernel.run("print(get_ipython().magics_manager.registry['DDPMagics'].world.start_seconds)")
+        own = float(out.strip())
+        out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item())")
+        assert error is None and f"[rank {ranks - 1}] Out: ({40 + ranks - 1}, {float(ranks)})" in out, out
+        kernel.run("%ddp_stop")
+    finally:
+        kernel.close()
+    assert wait_gone(pids) == [], "processes outlived %ddp_stop"
+    return listing, seconds, own
+
+
+def idle_end_once(ranks: int, limit: float) -> float:
+    from tests.conftest import wait_gone
+
+    pids = start_and_kill(ranks, f"--idle-limit {limit:g}")
+    began = time.perf_counter()
+    assert wait_gone(pids, seconds=limit + 60) == [], "the idle limit did not end the world"
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle-limit", type=float, default=3.0)
+    args = parser.parse_args()
+    exit_on_sigterm()
+    os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="bench-detached-")  # the kernels inherit it
+    print(machine_info())
+    runs = [attach_once(args.ranks) for _ in range(args.repeats)]
+    listings, cells, own = ([run[index] for run in runs] for index in range(3))
+    print(f"the first cell after %load_ext (%ddp_worlds): {', '.join(f'{s:.2f}' for s in listings)} s")
+    print(
+        f"%ddp_attach, {args.ranks} ranks, after the kernel was SIGKILLed: the cell "
+        f"{', '.join(f'{s:.2f}' for s in cells)} s (median {statistics.median(cells):.2f} s); "
+        f"the world's start {', '.join(f'{s:.2f}' for s in own)} s"
+    )
+    ends = [idle_end_once(args.ranks, args.idle_limit) for _ in range(args.repeats)]
+    print(
+        f"--idle-limit {args.idle_limit:g}: the world's last process gone after the kernel's kill in "
+        f"{', '.join(f'{s:.1f}' for s in ends)} s (median {statistics.median(ends):.1f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

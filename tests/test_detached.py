@@ -1,0 +1,259 @@
+"""Detached worlds without processes: the registry (private files, stale entries), choosing the world
+to attach to, the listing, the settings a detached world refuses, and the idle limit's decisions."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+from ddp_notebook.errors import DDPUsageError
+from ddp_notebook.platform.processes import started_at
+from ddp_notebook.rank import idle_limit
+from ddp_notebook.wire import detached as wire
+from ddp_notebook.wire.results import RankInfo
+from ddp_notebook.world import detached
+from ddp_notebook.world.config import DEFAULT_IDLE_LIMIT, AttachTarget, WorldConfig
+from ddp_notebook.world.forming import WorldLayout
+from ddp_notebook.world.layout import Placement
+
+
+@pytest.fixture(autouse=True)
+def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user's registry in a folder of this test's own."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    return tmp_path / "state" / "ddp_notebook" / "worlds"
+
+
+def gone_pid() -> int:
+    """A PID no process has now."""
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+def running_world(tmp_path: Path, world_id: str, size: int = 2, notebook: str = "") -> SimpleNamespace:
+    """What `detached.record` reads of a RunningWorld whose controller is this test's process."""
+    profile = tmp_path / world_id / "ipython"
+    (profile / "security").mkdir(parents=True)
+    (profile / "security" / f"ipcontroller-{world_id}-client.json").write_text("{}")
+    ranks = {
+        rank: RankInfo(rank, rank + 10, "here", 100 + rank, "cpu", "cpu", None, xray_address=None, off_here=("x",))
+        for rank in range(size)
+    }
+    placements = [Placement(rank, rank + 10, "here", 100 + rank, 0, size, 0) for rank in range(size)]
+    layout = WorldLayout("gloo", placements, {rank: ("127.0.0.1", "lo") for rank in range(size)})
+    config = WorldConfig.build(size, backend="gloo", detach=True, idle_limit=60)
+    provisioner = SimpleNamespace(
+        config=config,
+        cluster=SimpleNamespace(cluster_id=world_id, profile_dir=str(profile)),
+        controller_pid=os.getpid(),
+    )
+    if notebook:
+        os.environ["JPY_SESSION_NAME"] = notebook
+    try:
+        world = SimpleNamespace(
+            provisioner=provisioner, ranks=ranks, layout=layout, private_dir=str(tmp_path / world_id)
+        )
+        detached.record(world)  # type: ignore[arg-type]
+    finally:
+        os.environ.pop("JPY_SESSION_NAME", None)
+    return world
+
+
+def test_an_entry_is_private_and_gives_back_the_world_it_recorded(tmp_path: Path, registry: Path) -> None:
+    world = running_world(tmp_path, "w1", size=3, notebook="train.ipynb")
+    path = registry / "w1.json"
+    assert stat.S_IMODE(registry.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in registry.iterdir()] == ["w1.json"], "no temporary file is left"
+    entry = wire.read_entry(path)
+    assert entry is not None
+    assert detached.ranks_of(entry) == world.ranks
+    assert WorldLayout(*detached.layout_of(entry)) == world.layout
+    assert entry["notebook"] == os.path.abspath("train.ipynb")
+    assert (entry["attached_pid"], entry["attached_started"]) == (os.getpid(), started_at(os.getpid()))
+    assert detached.attached_kernel(entry) == os.getpid()
+    # recorded again (a heal): when and where it started stay
+    detached.record(world)  # type: ignore[arg-type]
+    again = wire.read_entry(path)
+    assert again is not None and (again["started"], again["notebook"]) == (entry["started"], entry["notebook"])
+
+
+def test_a_reused_pid_is_not_an_attached_kernel(tmp_path: Path, registry: Path) -> None:
+    running_world(tmp_path, "w1")
+    entry = wire.read_entry(registry / "w1.json")
+    assert entry is not None
+    assert detached.attached_kernel({**entry, "attached_started": "1"}) is None  # type: ignore[typeddict-item]
+    assert detached.attached_kernel({**entry, "attached_pid": gone_pid()}) is None  # type: ignore[typeddict-item]
+
+
+def test_a_stale_entry_is_removed_with_its_private_folder(tmp_path: Path, registry: Path) -> None:
+    running_world(tmp_path, "alive")
+    running_world(tmp_path, "stale")
+    path = registry / "stale.json"
+    entry = wire.read_entry(path)
+    assert entry is not None
+    folder = Path(tempfile.gettempdir()) / f"ddp-notebook-test-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    wire.write_private(path, {**entry, "controller_pid": gone_pid(), "rank_pids": [], "private_dir": str(folder)})
+    assert [entry["id"] for entry in detached.worlds()] == ["alive"]
+    assert not path.exists() and not folder.exists()
+
+
+def test_the_world_to_attach_to_is_chosen_or_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DDPUsageError, match="no detached world of yours is running"):
+        detached.choose(None)
+    running_world(tmp_path, "1700000000-aaaa", notebook="a.ipynb")
+    assert detached.choose(None)["id"] == "1700000000-aaaa", "the user's only one, from any notebook"
+    time.sleep(0.01)
+    running_world(tmp_path, "1700000001-bbbb", notebook="b.ipynb")
+    with pytest.raises(DDPUsageError) as many:
+        detached.choose(None)
+    said = str(many.value)
+    assert "2 detached worlds of yours run, none from this notebook" in said and "--world ID" in said
+    assert "1700000000-aaaa (2 ranks, from a.ipynb)" in said and "\n" not in said
+    monkeypatch.setenv("JPY_SESSION_NAME", "a.ipynb")
+    assert detached.choose(None)["id"] == "1700000000-aaaa", "this notebook's own"
+    assert detached.choose("1700000001-bbbb")["id"] == "1700000001-bbbb"
+    assert detached.choose("1700000001")["id"] == "1700000001-bbbb", "a unique start of the id"
+    with pytest.raises(DDPUsageError, match="2 detached worlds of yours has the id '17000'"):
+        detached.choose("17000")
+    with pytest.raises(DDPUsageError, match="no detached world of yours has the id 'nope'; pick one"):
+        detached.choose("nope")
+
+
+def test_the_listing_says_state_idle_time_and_notebook(tmp_path: Path) -> None:
+    assert "no detached world of yours is running" in detached.describe([])
+    world = running_world(tmp_path, "w1", notebook="/home/u/train.ipynb")
+    (entry,) = detached.worlds()
+    assert "attached" in detached.describe([entry]), "this process is the kernel attached"
+    now = time.time()
+    wire.write_private(
+        Path(world.private_dir) / wire.STATUS_FILE, {"busy": False, "attached": False, "idle_since": now - 20}
+    )
+    gone = {**entry, "attached_pid": 0}
+    table = detached.describe([gone], now=now)  # type: ignore[list-item]
+    header, row, hint = table.splitlines()
+    assert header.split() == ["world", "ranks", "state", "started", "idle", "for", "notebook"]
+    assert row.split()[:4] == ["w1", "2", "gloo", "idle"]
+    assert "20 s (ends in 40 s)" in row and row.endswith("train.ipynb")
+    assert "%ddp_attach --world ID" in hint
+    wire.write_private(Path(world.private_dir) / wire.STATUS_FILE, {"busy": True, "attached": False, "idle_since": now})
+    assert detached.state_of(gone, now) == ("running a cell", "-")  # type: ignore[arg-type]
+
+
+def test_attaching_again_keeps_the_worlds_settings(tmp_path: Path) -> None:
+    running_world(tmp_path, "w1", size=3)
+    (entry,) = detached.worlds()
+    settings = detached.attach_config(entry)
+    assert settings.launch.attach == AttachTarget(url_file=entry["connection_file"], world="w1")
+    assert (settings.n_ranks, settings.backend, settings.detach, settings.idle_limit) == (3, "gloo", True, 60)
+    assert settings.timeout == WorldConfig.build(3, backend="gloo").timeout
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"launcher": "mpi"}, "--detach keeps ranks started on this machine (--launcher local)"),
+        ({"launcher": "ssh", "hosts": "a:2"}, "ranks started with --launcher ssh belong to that launcher's job"),
+        ({"attach": AttachTarget(profile="p")}, "an attached cluster's engines outlive it already"),
+        ({"idle_limit": 0}, "idle limit must be a number of seconds > 0"),
+    ],
+)
+def test_a_world_that_cannot_be_detached_is_one_line(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(DDPUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        WorldConfig.build(2, detach=True, **options)
+
+
+def test_a_detached_world_starts_its_ranks_cold_and_waits_an_hour_by_default() -> None:
+    settings = WorldConfig.build(2, backend="gloo", detach=True)
+    assert settings.detach and not settings.warm_start and settings.idle_limit == DEFAULT_IDLE_LIMIT == 3600
+    with pytest.raises(DDPUsageError, match="fresh interpreters"):
+        dataclasses.replace(settings, warm_start=True)
+    assert not WorldConfig.build(2, backend="gloo").detach
+
+
+def test_magic_misuse_of_detached_worlds_is_one_line() -> None:
+    from ddp_notebook.magics.core import DDPMagics
+
+    magics = DDPMagics(start_ipython())
+    for line, message in [
+        ("--world nope", "no detached world of yours has the id 'nope'"),
+        ("", "no detached world of yours is running (start one with %ddp_start N --detach"),
+    ]:
+        with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+            magics.ddp_attach(line)
+    with pytest.raises(UsageError, match="--detach keeps ranks started on this machine"):
+        magics.ddp_start("2 --detach --launcher mpi")
+    assert magics.world is None
+
+
+class FakeHub:
+    """What the idle watch asks of the hub: queue_status, as ipyparallel answers it."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def queue_status(self) -> dict[Any, Any]:
+        return {0: {"queue": self.pending, "completed": 3, "tasks": 0}, 1: {"queue": 0, "completed": 3, "tasks": 0}}
+
+
+def test_the_idle_limit_counts_from_the_last_cell_or_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    running_world(tmp_path, "w1")
+    entry_file = wire.entry_path("w1")
+    watch = idle_limit.IdleWatch(entry_file, limit=0.6, private_dir=str(tmp_path / "w1"))
+    hub = watch.client = FakeHub()
+    ended: list[float] = []
+    monkeypatch.setattr(watch, "end", lambda entry: ended.append(time.time()))
+    began = time.time()
+    # this process is the attached kernel: the world is never idle while it lives
+    entry = wire.read_entry(entry_file)
+    assert entry is not None and idle_limit.kernel_attached(entry)
+    wire.write_private(entry_file, {**entry, "attached_pid": gone_pid()})
+    hub.pending = 1  # a cell runs on rank 0
+    monkeypatch.setattr(idle_limit, "CHECK_SECONDS", 0.2)
+
+    def cell_ends_after_a_second() -> None:
+        time.sleep(1.0)
+        hub.pending = 0
+
+    import threading
+
+    threading.Thread(target=cell_ends_after_a_second, daemon=True).start()
+    watch.run()
+    assert ended and ended[0] - began >= 1.0 + 0.6 - 0.25, "the limit counts from the cell's end"
+    status = wire.read_status(str(tmp_path / "w1"))
+    assert status is not None and not status["busy"] and not status["attached"]
+
+
+def test_on_jupyterhub_the_world_ends_with_the_users_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp_notebook.world.detached import environment
+
+    monkeypatch.delenv("JUPYTERHUB_USER", raising=False)
+    assert wire.SERVER_ENV not in environment("w1", 60)
+    monkeypatch.setenv("JUPYTERHUB_USER", "alice")
+    told = environment("w1", 60)
+    assert told[wire.SERVER_ENV] == f"{os.getppid()}:{started_at(os.getppid())}", "the kernel's parent: the server"
+    assert (told[wire.DETACHED_ENV], told[wire.IDLE_LIMIT_ENV]) == (str(wire.entry_path("w1")), "60")
+    running_world(tmp_path, "w1")  # attached (this process): it would never be idle
+    watch = idle_limit.IdleWatch(wire.entry_path("w1"), limit=3600, private_dir=None)
+    watch.client = FakeHub()
+    ended: list[object] = []
+    monkeypatch.setattr(watch, "end", ended.append)
+    watch.server = (os.getpid(), started_at(os.getpid()))
+    monkeypatch.setattr(idle_limit.time, "sleep", lambda seconds: watch.__dict__.update(server=(gone_pid(), "1")))
+    began = time.monotonic()
+    watch.run()
+    assert len(ended) == 1 and time.monotonic() - began < 1.0

@@ -1,0 +1,179 @@
+"""Detached worlds in real kernels: a world started with `%ddp_start N --detach` outlives its kernel
+(SIGKILLed), a new kernel's `%ddp_attach` finds it with every variable and its process group,
+`%ddp_worlds` lists it, `%ddp_stop` ends it with every process and file of it; a world nobody
+attaches ends itself after its idle limit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddp_notebook.platform.processes import descendants
+from ddp_notebook.wire import detached as wire
+from tests.conftest import pid_alive, wait_gone
+from tests.test_kernel import Kernel, _outs
+
+pytestmark = pytest.mark.integration
+
+SIZES = [pytest.param(size, id=f"{size}ranks", marks=[pytest.mark.core] if size == 2 else []) for size in (2, 3, 4)]
+
+
+@pytest.fixture
+def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The user's registry of detached worlds in this test's folder (the kernels started next inherit
+    it), and their notebook's path; nothing of a world found here may outlive the test."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("JPY_SESSION_NAME", str(tmp_path / "train.ipynb"))
+    folder = tmp_path / "state" / "ddp_notebook" / "worlds"
+    yield folder
+    leftover = processes_of(folder)
+    for pid in leftover:  # fail loudly, but never leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert leftover == set(), "processes of a detached world outlived its test"
+
+
+def processes_of(folder: Path) -> set[int]:
+    """Every live process of a detached world whose entry is in `folder` (they carry its path)."""
+    marker = f"{wire.DETACHED_ENV}={folder}/".encode()
+    found = set()
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                if any(item.startswith(marker) for item in handle.read().split(b"\0")) and pid_alive(int(name)):
+                    found.add(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def only_entry(folder: Path) -> wire.Entry:
+    (path,) = folder.glob("*.json")
+    entry = wire.read_entry(path)
+    assert entry is not None
+    return entry
+
+
+def start_and_kill(folder: Path, start: str) -> tuple[wire.Entry, list[int]]:
+    """A kernel starts a detached world with `start`, sets `kept` on every rank and is SIGKILLed: the
+    world's entry, and its processes (controller, ranks, what they started)."""
+    kernel = Kernel()
+    try:
+        out, error = kernel.run(f"%load_ext ddp_notebook\n{start}")
+        assert error is None and "detached: the world outlives this kernel" in out, out
+        out, error = kernel.run(
+            "%%ddp --setup\nkept = rank + 40\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))\n"
+            "step = 0\nddp_notebook.track(step=step)"
+        )
+        assert error is None, out
+        out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
+        assert error is None, out
+        entry = only_entry(folder)
+        pids = [entry["controller_pid"], *entry["rank_pids"]]
+        family = pids + descendants(pids)
+        assert set(family) <= processes_of(folder), "every process of the world carries its entry's path"
+        kernel_pid = kernel.manager.provisioner.process.pid
+        assert kernel_pid not in {os.getpgid(pid) for pid in pids}, "not in the kernel's process group"
+        os.kill(kernel_pid, signal.SIGKILL)
+        assert wait_gone([kernel_pid], seconds=10) == []
+    finally:
+        kernel.close()
+    return entry, family
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(registry: Path, size: int) -> None:
+    entry, family = start_and_kill(registry, f"%ddp_start {size} --detach")
+    time.sleep(1.0)  # a world watching its kernel would be gone by now
+    pids = [entry["controller_pid"], *entry["rank_pids"]]
+    assert [pid for pid in pids if pid_alive(pid)] == pids, "the world outlived its kernel"
+    kernel = Kernel()
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_worlds")
+        assert error is None, out
+        row = next(line for line in out.splitlines() if line.startswith(entry["id"]))
+        assert f"{size} gloo" in row and " idle " in row and "train.ipynb" in row, out
+        out, error = kernel.run("%ddp_attach --world nope")
+        assert "UsageError: no detached world of yours has the id 'nope'" in out, out
+        assert entry["id"] in out, "naming the worlds there are"
+        began = time.monotonic()
+        out, error = kernel.run("%ddp_attach")
+        attached_in = time.monotonic() - began
+        assert error is None and f"attached again to the detached world {entry['id']}" in out, out
+        assert attached_in <= 2.0, f"%ddp_attach took {attached_in:.2f} s"
+        out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item(), type(model).__name__)")
+        assert error is None, out
+        assert _outs(out, {rank: (40 + rank, float(size), "DistributedDataParallel") for rank in range(size)}), out
+        out, error = kernel.run("%ddp_worlds")
+        assert error is None and " attached " in next(line for line in out.splitlines() if entry["id"] in line), out
+        out, error = kernel.run("%ddp_status")
+        assert error is None and "healthy" in out and "all_reduce" in out, out
+        # the tracked state: a failed cell, then every rank back at the snapshot the first kernel left
+        out, error = kernel.run("%%ddp\nstep = 7 + rank\nif rank == 0:\n    raise RuntimeError('midway')")
+        assert error == "RankError", out
+        out, error = kernel.run("%ddp_rollback")
+        assert error is None and "every rank is back at the snapshot taken at the end of a cell" in out, out
+        out, error = kernel.run("%ddp_restart")
+        assert "UsageError: the detached world" in out and "cannot restart from here: %ddp_stop ends it" in out, out
+        # the supervision: a rank that dies is named, and the world goes on with the others at the snapshot
+        last = size - 1
+        out, error = kernel.run(f"%%ddp\nimport os\nstep = 6\nif rank == {last}:\n    os._exit(9)\ndist.barrier()")
+        assert error == "RankDiedError" and f"The world went on without rank {last}" in out, out
+        out, error = kernel.run("%%ddp\nprint('step', step, 'of', world_size)")
+        assert all(f"[rank {rank}] step 5 of {last}" in out for rank in range(last)), out
+        if last > 2:  # it shrinks (it cannot grow: it starts no process)
+            out, error = kernel.run("%ddp_resize 2")
+            assert error is None and "the world has 2 ranks now" in out, out
+            out, error = kernel.run(f"%ddp_resize {last}")
+            assert "UsageError: an attached world cannot add ranks" in out, out
+            last = 2
+        out, error = kernel.run("%ddp_stop")
+        assert error is None and f"ended the detached world of {last} ranks" in out, out
+        assert wait_gone(family) == []
+        assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
+        out, error = kernel.run("%ddp_worlds")
+        assert "no detached world of yours is running" in out, out
+    finally:
+        kernel.close()
+
+
+def test_a_detached_world_nobody_attaches_ends_itself_after_its_idle_limit(registry: Path) -> None:
+    entry, family = start_and_kill(registry, "%ddp_start 2 --detach --idle-limit 3")
+    pids = [entry["controller_pid"], *entry["rank_pids"]]
+    assert [pid for pid in pids if pid_alive(pid)] == pids, "the world outlived its kernel"
+    # the limit counts from the kernel's death; the controller looks every 2 s, the ranks get 5 s to leave
+    began = time.monotonic()
+    assert wait_gone(family, seconds=30) == []
+    assert 1.0 < time.monotonic() - began < 3 + 2 + 5 + 5
+    assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
+
+
+def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_from_another(registry: Path) -> None:
+    """A kernel shut down (as a restart does) leaves its detached world running; `DDPCluster.attach_detached()`
+    from another process attaches and `stop()` ends it; a world without --detach still goes with its kernel."""
+    kernel = Kernel()
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --detach --idle-limit 600")
+        assert error is None, out
+        kernel.manager.shutdown_kernel(now=False)
+    finally:
+        kernel.close()
+    entry = only_entry(registry)
+    pids = [entry["controller_pid"], *entry["rank_pids"]]
+    time.sleep(1.0)
+    assert [pid for pid in pids if pid_alive(pid)] == pids
+    from ddp_notebook import DDPCluster
+
+    world = DDPCluster.attach_detached(entry["id"][:12])
+    world.start()
+    try:
+        assert world.pids == pids and world.world_size == 2
+        result = world.execute("y = torch.ones(1)\ndist.all_reduce(y)\ny.item()", stream=False)
+        assert [result.value_text(rank) for rank in (0, 1)] == ["2.0", "2.0"]
+    finally:
+        world.stop()
+    assert wait_gone(pids) == [] and list(registry.glob("*")) == []
