@@ -66,8 +66,11 @@ def test_an_opened_world_is_supervised_with_its_rank_map_of_now(tmp_path: Path) 
         client=None,
         controller_pid=os.getpid(),  # a controller that runs: the death check asks the processes
         dead_ranks=lambda infos: {info.rank: Death("exited", f"pid {info.pid}") for info in infos},
+        opened=lambda world: opened.append(world),  # told once the group formed (a detached world records it)
     )
+    opened: list[RunningWorld] = []
     world = RunningWorld.open(provisioner, None, first, str(tmp_path))  # type: ignore[arg-type]
+    assert opened == [world]
     assert world.controller.controller_pid == os.getpid() and world.supervisor.provisioner is provisioner
     assert {rank: death.how for rank, death in world.supervisor.find_dead((0, 1, 2)).items()} == {
         0: "pid 100",
