@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import DDPUsageError
+from .notebook_session import notebook_path
 
 KINDS = ("tensorboard", "mlflow", "wandb")
 RANK_CHOICES = ("0", "all")
@@ -313,16 +314,7 @@ def world_description(world: Any) -> dict[str, str]:
 
 def notebook_name() -> str:
     """The notebook's file name without its suffix (the kernel's session path), else 'notebook'."""
-    path = os.environ.get("JPY_SESSION_NAME", "")
-    if not path:
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            path = str(shell.user_ns.get("__session__", "")) if shell is not None else ""
-        except Exception:  # noqa: BLE001
-            path = ""
-    return os.path.splitext(os.path.basename(path))[0] or "notebook"
+    return os.path.splitext(os.path.basename(notebook_path()))[0] or "notebook"
 
 
 class Tracking:

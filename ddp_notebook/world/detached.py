@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DDPUsageError
+from ..live.notebook_session import notebook_path
 from ..platform.processes import pid_alive, started_at
 from ..wire import detached as wire
 from ..wire.results import RankInfo
@@ -29,20 +30,6 @@ if TYPE_CHECKING:
 
 # the settings of a detached world that a kernel attaching again takes over (WorldConfig.build's keywords)
 KEPT_SETTINGS = ("timeout", "cell_timeout", "start_timeout", "max_restarts", "check_collectives", "autoreload")
-
-
-def notebook_path() -> str:
-    """The path of this kernel's notebook (its session), or "" when the kernel does not know it."""
-    path = os.environ.get("JPY_SESSION_NAME", "")
-    if not path:
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            path = str(shell.user_ns.get("__session__", "")) if shell is not None else ""
-        except Exception:  # noqa: BLE001  (no shell: a script)
-            path = ""
-    return os.path.abspath(path) if path else ""
 
 
 def world_id_of(world: RunningWorld) -> str:
