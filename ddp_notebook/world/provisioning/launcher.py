@@ -126,7 +126,7 @@ class LauncherProvisioner(ControlledProvisioner):
             return
         ranks = list(ranks)
         launchers = self._launchers_of(ranks)
-        found = {(launcher.pid) for launcher in launchers}
+        found = {launcher.pid for launcher in launchers}
         # a rank whose launcher is not known (the ranks of this host, say) goes the usual way
         super().signal([info for info in ranks if info.pid not in found], signum)
         ssh_hosts.signal_on_hosts(launchers, signum)

@@ -54,20 +54,25 @@ def profile_config(user_profile: str, world_profile: str) -> Any:
     `user_profile`) reads, for `ipyparallel.Cluster(profile_config=...)`."""
     from traitlets.config import Config
 
+    config = Config()
+    config.merge(_current(user_profile))
+    config.ProfileDir.location = world_profile  # as ipyparallel reads it from the world's profile
+    return config
+
+
+def _current(user_profile: str) -> Any:
+    """The user's configuration as its files hold it now: read again only when one of them changed."""
     files = _files(user_profile)
     with _lock:
         known = _read.get(user_profile)
         if known is None or known[0] != files:
             known = _read[user_profile] = (files, _read_profile(user_profile))
-    config = Config()
-    config.merge(known[1])
-    config.ProfileDir.location = world_profile  # as ipyparallel reads it from the world's profile
-    return config
+    return known[1]
 
 
 def read_ahead(user_profile: str) -> None:
     """Read the user's configuration now (at `%load_ext`), so the first `%ddp_start` need not."""
     try:
-        profile_config(user_profile, user_profile)
+        _current(user_profile)
     except Exception:  # noqa: BLE001  (a broken file is reported, in one line, by the start that reads it)
         return

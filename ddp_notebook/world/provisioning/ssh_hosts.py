@@ -248,6 +248,18 @@ def running_pids(command: Sequence[str], pids: Sequence[int]) -> set[int] | None
     return running
 
 
+def _running_by_host(engines: Sequence[Any]) -> dict[tuple[str, ...], list[Any]]:
+    """The engines of ours among `engines` that still run, by the ssh command that reaches their host
+    (another launcher class, ipyparallel's own configured, is left to its own stop and signals)."""
+    by_host: dict[tuple[str, ...], list[Any]] = {}
+    for engine in engines:
+        if not isinstance(engine, _QueuedSSHEngineLauncher):
+            continue
+        if engine.state == "running" and not engine.gone and int(engine.pid or -1) > 0:
+            by_host.setdefault(engine.host_command(), []).append(engine)
+    return by_host
+
+
 def end_on_hosts(engines: Sequence[Any], seconds: float = SWEEP_SSH_SECONDS) -> None:
     """End what still runs of `engines` (SSH engine launchers of one world) and remove their logs,
     in one ssh session per host for all of its engines, the hosts at once.
@@ -259,12 +271,7 @@ def end_on_hosts(engines: Sequence[Any], seconds: float = SWEEP_SSH_SECONDS) -> 
     tried to open one of its own in the removed folder ("unix_listener: cannot bind to path") on the
     kernel's stderr. An engine found ended is marked gone (its own stop then sends nothing); a host
     that does not answer leaves its engines to that stop."""
-    by_host: dict[tuple[str, ...], list[Any]] = {}
-    for engine in engines:
-        if not isinstance(engine, _QueuedSSHEngineLauncher):
-            continue  # another launcher class (ipyparallel's own, configured): its own stop ends it
-        if engine.state == "running" and not engine.gone and int(engine.pid or -1) > 0:
-            by_host.setdefault(engine.host_command(), []).append(engine)
+    by_host = _running_by_host(engines)
 
     def sweep(command: tuple[str, ...], group: list[Any]) -> None:
         logs = " ".join(shlex.quote(engine.remote_output_file) for engine in group if not engine.log_removed)
@@ -297,17 +304,17 @@ def signal_on_hosts(engines: Sequence[Any], signum: int) -> None:
     for all its engines, the hosts at once, off the caller's thread: an SSH world's ranks run
     without ipyparallel's nanny, which would take a second of each rank's start only to relay the
     controller's signals. A host that does not answer is left to its watch."""
-    by_host: dict[tuple[str, ...], list[int]] = {}
-    for engine in engines:
-        if isinstance(engine, _QueuedSSHEngineLauncher) and engine.state == "running" and not engine.gone:
-            by_host.setdefault(engine.host_command(), []).append(int(engine.pid))
 
-    def send(command: tuple[str, ...], pids: list[int]) -> None:
-        done = run_on_host(command, f"kill -{int(signum)} {' '.join(map(str, pids))}", SIGNAL_SECONDS)
+    def send(command: tuple[str, ...], group: list[Any]) -> None:
+        pids = " ".join(str(int(engine.pid)) for engine in group)
+        done = run_on_host(command, f"kill -{int(signum)} {pids}", SIGNAL_SECONDS)
         if done is None or done.returncode != 0:
             log.debug("signal %s to ranks %s on %s failed: %s", signum, pids, command[-1], done and done.stderr.strip())
 
-    jobs = [lambda command=command, pids=pids: send(command, pids) for command, pids in by_host.items()]
+    jobs = [
+        lambda command=command, group=group: send(command, group)
+        for command, group in _running_by_host(engines).items()
+    ]
     threading.Thread(target=_together, args=(jobs,), name="ddp-ssh-signal", daemon=True).start()
 
 
