@@ -11,6 +11,13 @@ cell after `%load_ext` also waits for what the extension preloads between cells)
 `%ddp_stop`. Once more with
 `--idle-limit S` and no second kernel: timed from the kill until the last process of the world is
 gone. Prints each repeat's seconds and their median. The user's registry goes to a temporary folder.
+
+`--journal STEPS`: a cell that prints a line and logs a point per step (STEPS steps) is sent and its
+kernel SIGKILLed as it starts; once the ranks are idle again, a new kernel's `%ddp_attach` and
+`%ddp_wait` (every line and point the ranks kept, shown from the start, and the end) are timed.
+Then what keeping them costs the cell: its steps/s on the ranks of that detached world (which keep
+a journal), against a world started without `--detach` (which keeps none; `--no-warm-start`, so that
+its ranks too are fresh interpreters), alternated, in the same kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from harness import exit_on_sigterm, machine_info
 
@@ -88,15 +96,93 @@ def idle_end_once(ranks: int, limit: float) -> float:
     return time.perf_counter() - began
 
 
+LOOP = (
+    "%%ddp\nimport time\nbegan = time.perf_counter()\n"
+    "for i in range({steps}):\n    print(f'step {{i}} of the loop')\n    ddp_notebook.log(loss=1.0 / (i + 1))\n"
+    "rate = {steps} / (time.perf_counter() - began)"
+)
+
+
+def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, list[tuple[float, float]]]:
+    """(%ddp_attach s, %ddp_wait s, [(steps/s keeping a journal, steps/s keeping none)] per pair)."""
+    from ddp_notebook.wire import detached as wire
+    from tests.test_kernel import Kernel
+
+    kernel = Kernel()
+    try:
+        out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {ranks} --detach")
+        assert error is None, out
+        kernel.client.execute(LOOP.format(steps=steps))
+        kernel.wait_for_output("step 0 of the loop", seconds=60)
+        os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+    finally:
+        kernel.close()
+    kernel = Kernel()
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook")
+        deadline = time.monotonic() + 600
+        while " running a cell " in kernel.run("%ddp_worlds")[0]:  # the cell ends with no kernel attached
+            assert time.monotonic() < deadline, "the loop did not end"
+            time.sleep(0.5)
+        began = time.perf_counter()
+        out, error = kernel.run("%ddp_attach")
+        attach = time.perf_counter() - began
+        assert error is None and "ended" in out, out
+        began = time.perf_counter()
+        out, error = kernel.run("%ddp_wait")
+        follow = time.perf_counter() - began
+        assert error is None and f"[rank {ranks - 1}] step {steps - 1} of the loop" in out, out[-2000:]
+        (path,) = wire.registry_dir().glob("*.json")
+        rates = []
+        for _ in range(pairs):
+            kept = _loop_rate(kernel, steps)
+            # a world that keeps no journal, its ranks fresh interpreters as a detached world's are
+            out, error = kernel.run(f"%ddp_stop\n%ddp_start {ranks} --no-warm-start")
+            assert error is None, out
+            plain = _loop_rate(kernel, steps)
+            out, error = kernel.run(f"%ddp_stop\n%ddp_start {ranks} --detach")
+            assert error is None, out
+            rates.append((kept, plain))
+        kernel.run("%ddp_stop")
+        assert not path.exists()
+    finally:
+        kernel.close()
+    return attach, follow, rates
+
+
+def _loop_rate(kernel: Any, steps: int) -> float:
+    """The loop's steps/s on the ranks (their median), its output shown as a user's would be."""
+    out, error = kernel.run(LOOP.format(steps=steps) + "\nrate", timeout=600)
+    assert error is None, out[-2000:]
+    rates = [float(line.split("Out: ")[1]) for line in out.splitlines() if "Out: " in line]
+    return statistics.median(rates)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--idle-limit", type=float, default=3.0)
+    parser.add_argument("--journal", type=int, default=0, metavar="STEPS", help="time %%ddp_wait and the journal")
+    parser.add_argument("--pairs", type=int, default=3, help="with --journal: alternated runs of the loop")
     args = parser.parse_args()
     exit_on_sigterm()
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="bench-detached-")  # the kernels inherit it
     print(machine_info())
+    if args.journal:
+        attach, follow, rates = journal_once(args.ranks, args.journal, args.pairs)
+        lines = args.journal * args.ranks
+        print(
+            f"a cell of {args.journal} steps (a line and a point each) ended with no kernel attached: %ddp_attach "
+            f"{attach:.2f} s, %ddp_wait showing its {lines} lines, {lines} points and its end {follow:.2f} s"
+        )
+        ratios = [kept / plain for kept, plain in rates]
+        print(
+            "the loop's steps/s keeping a journal (detached) / keeping none, per pair: "
+            + ", ".join(f"{kept:.0f}/{plain:.0f} = {kept / plain:.3f}" for kept, plain in rates)
+            + f" (median {statistics.median(ratios):.3f})"
+        )
+        return
     runs = [attach_once(args.ranks) for _ in range(args.repeats)]
     listings, cells, own = ([run[index] for run in runs] for index in range(3))
     print(f"the first cell after %load_ext (%ddp_worlds): {', '.join(f'{s:.2f}' for s in listings)} s")

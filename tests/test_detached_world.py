@@ -1,7 +1,8 @@
 """Detached worlds in real kernels: a world started with `%ddp_start N --detach` outlives its kernel
-(SIGKILLed), a new kernel's `%ddp_attach` finds it with every variable and its process group,
-`%ddp_worlds` lists it, `%ddp_stop` ends it with every process and file of it; a world nobody
-attaches ends itself after its idle limit."""
+(SIGKILLed mid-training), a new kernel's `%ddp_attach` finds it with every variable and its process
+group, `%ddp_wait` shows the training cell from its start and follows it to its end (the run ends
+bitwise equal to an uninterrupted one), `%ddp_worlds` lists it, `%ddp_stop` ends it with every
+process and file of it; a world nobody attaches ends itself after its idle limit."""
 
 from __future__ import annotations
 
@@ -58,20 +59,45 @@ def only_entry(folder: Path) -> wire.Entry:
     return entry
 
 
-def start_and_kill(folder: Path, start: str) -> tuple[wire.Entry, list[int]]:
-    """A kernel starts a detached world with `start`, sets `kept` on every rank and is SIGKILLed: the
-    world's entry, and its processes (controller, ranks, what they started)."""
+# a training cell: STEPS steps of a DDP model, each printed and logged; every rank waits at step HOLD_AT
+# until the file `hold` names is gone (so that the test knows the cell still runs while it looks);
+# then each keeps its weights and raises (every rank: their tracked snapshots stay the same)
+STEPS, HOLD_AT = 30, 20
+TRAIN = (
+    "%%ddp\nimport os, time\ngen = torch.Generator().manual_seed(rank)\n"
+    f"for i in range({STEPS}):\n"
+    "    loss = model(torch.randn(8, 2, generator=gen)).pow(2).mean()\n"
+    "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+    "    ddp_notebook.log(loss=loss.item())\n"
+    "    print(f'step {i} loss {loss.item():.6f}', flush=True)\n"
+    f"    while i == {HOLD_AT} and os.path.exists(hold):\n"
+    "        time.sleep(0.05)\n"
+    "weights = [p.detach().clone() for p in model.parameters()]\n"
+    "raise ValueError(f'checked after the last step, rank {rank}')"
+)
+
+
+def start_and_kill(folder: Path, start: str, training: Path | None = None) -> tuple[wire.Entry, list[int]]:
+    """A kernel starts a detached world with `start`, sets `kept` on every rank and is SIGKILLed (with
+    `training`, once TRAIN runs, held at its step HOLD_AT while that file is there): the world's entry,
+    and its processes (controller, ranks, what they started)."""
     kernel = Kernel()
     try:
         out, error = kernel.run(f"%load_ext ddp_notebook\n{start}")
         assert error is None and "detached: the world outlives this kernel" in out, out
         out, error = kernel.run(
             "%%ddp --setup\nkept = rank + 40\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+            "start_state = {name: value.clone() for name, value in model.state_dict().items()}\n"
             "step = 0\nddp_notebook.track(step=step)"
         )
         assert error is None, out
-        out, error = kernel.run("%%ddp\nstep = 5")  # a snapshot at the end of the cell
+        out, error = kernel.run(f"%%ddp\nstep = 5\nhold = {str(training)!r}")  # a snapshot at the end of the cell
         assert error is None, out
+        if training is not None:
+            training.touch()
+            kernel.client.execute(TRAIN)
+            kernel.wait_for_output(f"step {HOLD_AT} loss", seconds=60)
         entry = only_entry(folder)
         pids = [entry["controller_pid"], *entry["rank_pids"]]
         family = pids + descendants(pids)
@@ -86,8 +112,11 @@ def start_and_kill(folder: Path, start: str) -> tuple[wire.Entry, list[int]]:
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(registry: Path, size: int) -> None:
-    entry, family = start_and_kill(registry, f"%ddp_start {size} --detach")
+def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(
+    registry: Path, tmp_path: Path, size: int
+) -> None:
+    hold = tmp_path / "hold"
+    entry, family = start_and_kill(registry, f"%ddp_start {size} --detach", training=hold)
     time.sleep(1.0)  # a world watching its kernel would be gone by now
     pids = [entry["controller_pid"], *entry["rank_pids"]]
     assert [pid for pid in pids if pid_alive(pid)] == pids, "the world outlived its kernel"
@@ -96,7 +125,9 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(re
         out, error = kernel.run("%load_ext ddp_notebook\n%ddp_worlds")
         assert error is None, out
         row = next(line for line in out.splitlines() if line.startswith(entry["id"]))
-        assert f"{size} gloo" in row and " idle " in row and "train.ipynb" in row, out
+        assert f"{size} gloo" in row and " running a cell " in row and "train.ipynb" in row, out
+        out, error = kernel.run("%ddp_wait")
+        assert "UsageError: no world is attached: %ddp_attach" in out, out
         out, error = kernel.run("%ddp_attach --world nope")
         assert "UsageError: no detached world of yours has the id 'nope'" in out, out
         assert entry["id"] in out, "naming the worlds there are"
@@ -105,6 +136,9 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(re
         attached_in = time.monotonic() - began
         assert error is None and f"attached again to the detached world {entry['id']}" in out, out
         assert attached_in <= 2.0, f"%ddp_attach took {attached_in:.2f} s"
+        assert "a cell sent by an earlier kernel ('import os, time') began" in out, out
+        assert f"still runs on ranks 0-{size - 1}: %ddp_wait shows its output and follows it" in out, out
+        follow_cell_of_an_earlier_kernel(kernel, hold, size)
         out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item(), type(model).__name__)")
         assert error is None, out
         assert _outs(out, {rank: (40 + rank, float(size), "DistributedDataParallel") for rank in range(size)}), out
@@ -139,6 +173,41 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(re
         assert "no detached world of yours is running" in out, out
     finally:
         kernel.close()
+
+
+def follow_cell_of_an_earlier_kernel(kernel: Kernel, hold: Path, size: int) -> None:
+    """The training cell the killed kernel left held at step HOLD_AT: shown from its start, refused a cell
+    behind it, followed to its end with its error and every point of its live view, and its weights
+    those of the same training run again, uninterrupted."""
+    out, error = kernel.run("%ddp_wait --follow-timeout 1")
+    assert error is None and "the cell still runs on" in out and "after 1 s: it goes on" in out, out
+    for rank in range(size):  # what each rank printed before this kernel existed, from its first step
+        assert f"[rank {rank}] step 0 loss" in out and f"[rank {rank}] step {HOLD_AT} loss" in out, out
+    out, error = kernel.run("%%ddp\nprint('behind it')")
+    assert "UsageError: a cell an earlier kernel sent still runs on" in out and "behind it" not in out, out
+    hold.unlink()
+    out, error = kernel.run("%ddp_wait")
+    assert error == "RankError", out
+    assert "failed first (root cause)" in out and "ValueError: checked after the last step, rank" in out, out
+    assert "also failed: ValueError" in out, out
+    for rank in range(size):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] step ")]
+        assert [line.split()[3] for line in lines] == [str(i) for i in range(STEPS)], out
+    out, error = kernel.run(
+        f"m = %ddp_metrics\nprint(sorted(len(m.series('loss', rank)[0]) for rank in range({size})))"
+    )
+    assert error is None and f"{[STEPS] * size}" in out, "the live view has every point, those sent before too"
+    out, error = kernel.run("%ddp_wait")  # the cell is over: shown again, whole
+    assert error == "RankError" and f"[rank 0] step {STEPS - 1} loss" in out, out
+    out, error = kernel.run(
+        "%%ddp\nfollowed = weights\nmodel.load_state_dict(start_state)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)"
+    )
+    assert error is None, out
+    out, error = kernel.run(TRAIN)  # the same run, uninterrupted (nothing holds it now)
+    assert error == "RankError" and "checked after the last step" in out, out
+    out, error = kernel.run("%%ddp\nall(torch.equal(a, b) for a, b in zip(weights, followed)) and len(weights)")
+    assert error is None and _outs(out, dict.fromkeys(range(size), 2)), out
 
 
 def test_a_detached_world_nobody_attaches_ends_itself_after_its_idle_limit(registry: Path) -> None:

@@ -283,3 +283,33 @@ def test_the_controller_starts_without_the_hubs_settle_sleep(tmp_path, skip: boo
     skipped, slept = ran.stdout.split()
     assert skipped == str(skip and found)
     assert slept == str(found and not skip)  # where this ipyparallel sleeps, only the skip removes it
+
+
+def test_a_rank_sees_each_message_its_kernel_sends_and_the_request_it_runs(world: DDPCluster) -> None:
+    """What a detached world's cell journal hooks (`watch_sent`, `current_request`): the output, the
+    displays and the reply of a cell, each with the cell's request as parent, from whichever thread."""
+    client = _client(world)
+    engine = client[world.ranks[0].engine_id]
+    engine.execute(
+        "from ddp_notebook.rank import ipp_process_adapter as adapter\n"
+        "seen = []\n"
+        "adapter.watch_sent(get_ipython(), lambda kind, content, parent: seen.append((kind, parent.get('msg_id'))))",
+        silent=False,
+    ).get(timeout=30)
+    try:
+        cell = engine.execute(
+            "request = adapter.current_request(get_ipython())\n"
+            "print('watched')\n"
+            "from IPython.display import display\n"
+            "display({'text/plain': 'shown'}, raw=True)",
+            silent=False,
+        )
+        cell.get(timeout=30)
+        (msg_id,) = cell.msg_ids
+        request, session = engine.pull("request", block=False).get(timeout=30)
+        assert request == msg_id and session == client.session.session
+        engine.execute(f"kinds = [kind for kind, parent in seen if parent == {msg_id!r}]").get(timeout=30)
+        kinds = engine.pull("kinds", block=False).get(timeout=30)
+        assert {"stream", "display_data", "execute_reply"} <= set(kinds), kinds
+    finally:
+        engine.execute("del get_ipython().kernel.session.send", silent=False).get(timeout=30)

@@ -64,6 +64,21 @@ class Kernel:
             if output.take(msg["msg_type"], msg["content"]):
                 return "".join(output.text), output.error
 
+    def wait_for_output(self, text: str, seconds: float) -> str:
+        """What the cells sent without waiting (`client.execute`) printed, once it holds `text`."""
+        printed = ""
+        deadline = time.monotonic() + seconds
+        while text not in printed:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {text!r} within {seconds} s; printed:\n{printed[-3000:]}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.2)
+            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
+                continue
+            if msg["msg_type"] == "stream":
+                printed += msg["content"]["text"]
+        return printed
+
     def _interrupt_late_cell(self, msg_id: str, output: CellOutput, timeout: float) -> str:
         """A cell past its limit is interrupted (a %%ddp cell then reports where each rank is), so the
         next cells of a shared kernel do not queue behind it; the message holds what it printed."""

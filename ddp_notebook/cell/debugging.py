@@ -69,8 +69,9 @@ def _show(rank: int, answer: DebugAnswer, out: TextIO) -> None:
         out.flush()
 
 
-def post_mortem(engine: Any, reach: xray.Reach, rank: int) -> None:
+def post_mortem(engine: Any, reach: xray.Reach | None, rank: int) -> None:
     """pdb on rank `rank`'s last failed cell (its engine: an ipyparallel view of that one rank)."""
+    assert reach is not None  # a running world's supervisor reaches its ranks
     pending = engine.apply_async(rank_calls.post_mortem)
     deadline = time.monotonic() + OPEN_SECONDS
     while not pending.ready():

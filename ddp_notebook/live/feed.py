@@ -329,8 +329,11 @@ class Feed:
         state = self.ranks.get(rank)
         if state is None:
             state = self.ranks[rank] = RankRow(rank)
-        if message["seq"] > state.seq + 1:
-            state.lost += message["seq"] - state.seq - 1
+        # a detached rank's journal merges its oldest messages into one (`wire.journal`): "first" is the
+        # oldest it holds, none of them lost
+        first = message.get("first", message["seq"])
+        if first > state.seq + 1:
+            state.lost += first - state.seq - 1
         state.seq = message["seq"]
         state.rate = _smoothed_rate(
             state.rate, message["calls"] - state.steps, message["t"] - state.t, message["calls"], message["t"]

@@ -1,4 +1,5 @@
-"""The cell magics: `%%ddp` runs a cell on the ranks, `%ddp_run` a script as torchrun would.
+"""The cell magics: `%%ddp` runs a cell on the ranks, `%ddp_run` a script as torchrun would,
+`%ddp_wait` follows a cell an earlier kernel left running on a detached world.
 
 The one place a magic runs a cell on the world (`world.run`), with its live view fed as it runs.
 """
@@ -19,6 +20,7 @@ from ..live.feed import Feed
 from ..wire.results import CellResult
 from ..world import config
 from ..world.cluster import DDPCluster
+from ..world.following import CellStillRunning
 from ..world.report import format_values
 from .arguments import names, parse_line, ranks_args, tracker_args, usage_errors
 from .core import DDPMagics
@@ -101,6 +103,39 @@ class CellMagics(Magics):
         text = format_values(result)
         if text:
             print(text)
+
+    @magic_arguments()
+    @argument(
+        "--follow-timeout",
+        type=float,
+        default=None,
+        help="stop following after this many seconds (the cell goes on; %%ddp_wait follows it again)",
+    )
+    @line_magic
+    @usage_errors
+    def ddp_wait(self, line: str = "") -> None:
+        """Show the cell an earlier kernel left running on this detached world (after %ddp_attach): its
+        output since it began and its live view with the curves so far, then follow it to its end."""
+        args = parse_line(self.ddp_wait, line)
+        if args.follow_timeout is not None:
+            config.check_seconds("--follow-timeout", args.follow_timeout)
+        world = self.worlds.world
+        if world is None or not world.running:
+            raise DDPUsageError(
+                "no world is attached: %ddp_attach attaches this notebook's detached world again, then %ddp_wait "
+                "follows the cell it runs"
+            )
+        feed = self.worlds.recorder.feed(lambda: _make_view(world.world_size))
+        try:
+            world.wait(args.follow_timeout, on_data=feed)
+        except CellStillRunning as still:
+            feed.finish()
+            print(still)
+        except KeyboardInterrupt:
+            feed.finish()
+            print(
+                "stopped following: the cell goes on on the ranks (%ddp_wait follows it again, %ddp_interrupt stops it)"
+            )
 
     @line_magic
     @usage_errors

@@ -256,7 +256,7 @@ def _connect() -> Channel:
 
     from .timing import CLOCK
 
-    channel = Channel(publish=publish_data, step_times=CLOCK.summary)
+    channel = Channel(publish=_journaled(publish_data), step_times=CLOCK.summary)
 
     def paced() -> None:
         # read at each cell: a resize changes the world's size
@@ -274,6 +274,22 @@ def _connect() -> Channel:
     shell.events.register("pre_run_cell", lambda *_: (paced(), channel.begin_cell()))
     shell.events.register("post_run_cell", ended)
     return channel
+
+
+def _journaled(publish: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    """`publish`, each message also kept in a detached world's journal (`cell_journal`)."""
+    from . import cell_journal
+
+    journal = cell_journal.JOURNAL
+    if journal is None:
+        return publish
+
+    def publish_and_keep(data: dict[str, Any]) -> None:
+        for message in data.values():
+            journal.data(message)
+        publish(data)
+
+    return publish_and_keep
 
 
 def in_rank(shell: Any) -> bool:
@@ -295,6 +311,10 @@ def tell_notebook(key: str) -> None:
     if in_rank(get_ipython()):
         from ipyparallel.datapub import publish_data
 
+        from .cell_journal import JOURNAL
+
+        if JOURNAL is not None:
+            JOURNAL.told(key)
         publish_data({key: True})
 
 

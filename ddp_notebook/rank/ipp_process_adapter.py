@@ -72,3 +72,40 @@ def skip_hub_settle_sleep() -> bool:
 
     app.IPController.init_hub = init_hub  # type: ignore[method-assign]
     return True
+
+
+def current_request(shell: Any) -> tuple[str, str]:
+    """(request id, sending session) of the request the rank's kernel runs now (a cell, in
+    `pre_run_cell`): ipykernel's parent message of the shell channel (ipykernel 6 and later)."""
+    parent = shell.kernel.get_parent("shell") or {}
+    header = parent.get("header") or {}
+    return str(header.get("msg_id", "")), str(header.get("session", ""))
+
+
+def watch_sent(shell: Any, seen: Any) -> None:
+    """Call `seen(msg_type, content, parent_header)` for every message the rank's kernel sends, before
+    it goes: its output and displays on IOPub (from whichever thread sends them), its replies.
+
+    Every one of them goes through the kernel's `Session.send`, the same object for the shell
+    channel, the output streams and the display publisher (ipyparallel's engine makes them so);
+    the hook is on that one object, not on the class (the notebook's own kernel is left alone).
+    """
+    session = shell.kernel.session
+    send = session.send
+
+    def watched(
+        stream: Any, msg_or_type: Any, content: Any = None, parent: Any = None, *more: Any, **named: Any
+    ) -> Any:
+        try:
+            if isinstance(msg_or_type, dict):
+                msg_type = msg_or_type.get("header", {}).get("msg_type", "")
+                said, header = msg_or_type.get("content") or {}, msg_or_type.get("parent_header") or {}
+            else:
+                msg_type, said = msg_or_type, content
+                header = (parent.get("header", parent) if isinstance(parent, dict) else None) or {}
+            seen(msg_type, said or {}, header)
+        except Exception:  # noqa: BLE001  (what is kept for later must never stop what is sent now)
+            pass
+        return send(stream, msg_or_type, content, parent, *more, **named)
+
+    session.send = watched

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..platform import devices
 from ..platform.network import listen
+from ..wire.detached import DETACHED_ENV
 from ..wire.join import JoinReport, RankSpec
 from . import torch_adapter
 from . import xray as xray_rank
@@ -129,6 +130,10 @@ def init_world(spec: RankSpec) -> JoinReport:
         enable_stack_dumps(spec.stack_dir, rank)
         xray_rank.serve(spec.stack_dir, rank)
         RANK.membership.stack_dumps = True
+        if os.environ.get(DETACHED_ENV):  # read back by a kernel that attaches later (%ddp_wait)
+            from .cell_journal import keep_in_rank
+
+            keep_in_rank()
     xray_address = None
     if spec.xray_key and spec.xray_toward:
         # a rank on another host: the notebook reaches its X-ray over TCP, signed with the world's key

@@ -17,7 +17,8 @@ answers these requests, one JSON line each, in the shapes of `wire/xray_messages
   only connected sockets are shut down;
 - `stack`: the main thread's Python frames (what `where_stuck` shows for ranks on other hosts,
   which the notebook cannot signal);
-- `debug`: one line to and from the rank's waiting pdb session (`debugger`).
+- `debug`: one line to and from the rank's waiting pdb session (`debugger`);
+- `journal`: a detached world's newest cell as the rank kept it, from a given entry on (`cell_journal`).
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ def answer_request(request: messages.Request) -> messages.Answer:
         return SESSION.answer(request.get("line"))
     if request["ask"] == "stack":
         return {"v": messages.XRAY_VERSION, "frames": main_thread_frames()}
+    if request["ask"] == "journal":  # a detached world's newest cell, for a kernel attached again
+        from . import cell_journal
+
+        return cell_journal.answer(dict(request))  # type: ignore[return-value]
     if request["ask"] == "watch":  # only over the signed TCP line, where the connection is held
         return messages.error_answer("watch is answered on the signed TCP line of a rank on another host")
     return messages.error_answer(f"unknown request {request.get('ask')!r}")

@@ -68,6 +68,8 @@ class StepsMessage(TypedDict):
 class _OptionalFields(TypedDict, total=False):
     # only when the rank timed steps in this cell (models from prepare_model), and they changed
     steps: StepsMessage
+    # only in a message merged from several (`wire.journal`): the sequence number of the oldest of them
+    first: int
 
 
 class RankMessage(_OptionalFields):

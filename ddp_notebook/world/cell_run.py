@@ -62,7 +62,7 @@ def run(cluster: DDPCluster, world: RunningWorld, request: CellRequest, context:
     routing = large_output.for_world(request.world_size, request.show)
     on_data = request.on_data
     if on_data is None:
-        on_data = cluster.recorder.feed(_text_view(context.stdout) if request.stream else None, ranks=targets)
+        on_data = cluster.recorder.feed(text_view(context.stdout) if request.stream else None, ranks=targets)
     began = time.perf_counter()
     went_on = go_on_if_lost(cluster, world, targets, context.lifecycle)
     if went_on is not None:
@@ -190,7 +190,7 @@ def _heal_after_cell(cluster: DDPCluster, busy: tuple[int, ...]) -> str:
     )
 
 
-def _text_view(stdout: TextIO | None) -> Callable[[], live_feed.View]:
+def text_view(stdout: TextIO | None) -> Callable[[], live_feed.View]:
     """The text view's maker: made only once a rank logs or shows progress."""
 
     def make() -> live_feed.View:

@@ -5,8 +5,8 @@ a provisioner gets the processes (`provisioning`), `forming` turns them into ran
 process group, a `CellRequest` is a cell checked once, `cell_run` runs it (a `relay` carries its
 messages while a `WorldSupervisor` watches the ranks, its `CellOutcome` decides what the caller
 sees, `comeback.recover` goes on after a loss), `regroup` heals, resizes and rolls back,
-`transfer` pushes, pulls and syncs, `status` reads the ranks. The world's state lives in a
-`WorldLifecycle`; its running parts in one `RunningWorld` (None while stopped).
+`transfer` pushes, pulls and syncs, `status` reads the ranks, `following` shows a cell an earlier
+kernel left running. The world's state: a `WorldLifecycle`; its running parts: a `RunningWorld`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ..live import stragglers, trackers
 from ..live.profile_view import ProfileReport
 from ..rank import calls as rank_calls
 from ..wire.results import CellResult, Death, MemoryReading, RankInfo, RankStatus
-from . import cell_run, config, export, forming, provisioning, regroup, transfer
+from . import cell_run, config, export, following, forming, provisioning, regroup, transfer
 from . import sync as file_sync
 from .cell_request import CellRequest
 from .config import WorldConfig
@@ -267,10 +267,8 @@ class DDPCluster:
         return True
 
     def activate(self) -> DDPCluster:
-        """Make this world the one `%%ddp` and the other magics drive (as ipyparallel's `view.activate()`).
-
-        Loads the magics into this IPython shell if needed; `%ddp_stop` then stops this world.
-        """
+        """Make this world the one `%%ddp` and the other magics drive (as ipyparallel's `view.activate()`);
+        loads the magics into this IPython shell if needed. `%ddp_stop` then stops this world."""
         from IPython import get_ipython
 
         shell = get_ipython()
@@ -316,9 +314,15 @@ class DDPCluster:
         """Like `execute`, but return how the cell ended instead of raising for it."""
         world = self._require_running()
         request = self._request(code_or_request, ranks, options)
+        following.refuse_while_running(world)  # behind a cell an earlier kernel left running
         if self.needs_heal:
             self.heal()
         return cell_run.run(self, world, request, self._run_context())
+
+    def wait(self, timeout: float | None = None, *, on_data: Any = None) -> CellResult:
+        """Show the cell an earlier kernel left running on this detached world from its start, as its ranks
+        kept it, and follow it to its end (`%ddp_wait`); raises as `execute` does, or past `timeout` s."""
+        return following.follow(self, self._require_running(), self._run_context(), on_data, timeout).raise_for_error()
 
     def cell_request(self, code: str, ranks: Iterable[int] | str | None = None, **options: Any) -> CellRequest:
         """`code` with `execute`'s options, checked against this world (`CellRequest.build`)."""
@@ -437,10 +441,7 @@ class DDPCluster:
                 raise DDPUsageError("no cell has failed on a rank yet: %ddp_debug looks into the last one that did")
             rank = RankError(list(self.last_failures)).root_cause.rank
         (rank,) = self._select([rank])
-        reach = world.supervisor.reach()
-        assert reach is not None
-        engine = world.client[world.ranks[rank].engine_id]
-        debugging.post_mortem(engine, reach, rank)
+        debugging.post_mortem(world.client[world.ranks[rank].engine_id], world.supervisor.reach(), rank)
 
     def straggler(self) -> stragglers.Straggler | None:
         """The rank clearly slower than its peers over their recent steps of models from prepare_model

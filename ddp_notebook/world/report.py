@@ -60,6 +60,9 @@ def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str
             f"started in {seconds:.1f} s"
         )
     notes = []
+    earlier = getattr(world.provisioner, "earlier_cell", None)
+    if earlier is not None:
+        notes.append(earlier.describe())
     if spread:
         notes.append(f"hosts: {describe_layout(ranks)}")
     if world.config.curve:

@@ -2,7 +2,9 @@
 
 The world's entry in the user's registry (`world.detached`) says where its controller's connection
 file is and who each rank is: attaching is connecting a client and reading the rank map, without a
-word to the ranks (a rank running a cell would answer only once the cell ends). `stop()` ends the
+word to the ranks through ipyparallel (a rank running a cell would answer only once the cell ends);
+what the ranks are doing is read from their journals (`following`), which a thread of theirs
+answers at once. `stop()` ends the
 world for real, as `%ddp_stop` in the kernel that started it would; a kernel that merely exits or
 dies leaves it running. It cannot start processes: a lost rank is not replaced (the world shrinks
 to the survivors) and the world cannot grow or restart; it can shrink.
@@ -41,6 +43,8 @@ class DetachedProvisioner(Provisioner):
         super().__init__(config, found["private_dir"] if found is not None else private_dir)
         self.found = found
         self.ended = False  # stop() ended the world (its private folder goes too), or only let go
+        # what the ranks were doing when this kernel attached: the cell an earlier kernel sent last
+        self.earlier_cell: Any = None
 
     @property
     def entry(self) -> wire.Entry:
@@ -94,9 +98,14 @@ class DetachedProvisioner(Provisioner):
     attached = False  # the world runs in this kernel: stop() ends it
 
     def opened(self, world: Any) -> None:
+        first = not self.attached
         super().opened(world)  # its entry names this kernel, and the rank map as it is now
         self.found = wire.read_entry(wire.entry_path(self.entry["id"])) or self.found
         self.attached = True
+        if first:  # as the kernel attaches: the ranks' journals answer from a thread of their own, at once
+            from ..following import earlier_cell
+
+            self.earlier_cell = earlier_cell(world)
 
     def stop(self) -> None:
         client, self.client = self.client, None
