@@ -221,13 +221,25 @@ def test_a_detached_world_nobody_attaches_ends_itself_after_its_idle_limit(regis
     assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
 
 
-def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_from_another(registry: Path) -> None:
-    """A kernel shut down (as a restart does) leaves its detached world running; `DDPCluster.attach_detached()`
-    from another process attaches and `stop()` ends it; a world without --detach still goes with its kernel."""
+def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_from_another(
+    registry: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernel shut down (as a restart does) mid-training leaves its detached world running;
+    `DDPCluster.attach_detached()` from another process attaches, and `wait()` follows the training
+    cell: a rank killed meanwhile is named, the world goes on without it; `stop()` ends it."""
+    hold = tmp_path / "hold"
     kernel = Kernel()
     try:
         out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --detach --idle-limit 600")
         assert error is None, out
+        out, error = kernel.run(
+            "%%ddp\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))\n"
+            f"opt = torch.optim.SGD(model.parameters(), lr=0.05)\nhold = {str(hold)!r}"
+        )
+        assert error is None, out
+        hold.touch()
+        kernel.client.execute(TRAIN)
+        kernel.wait_for_output(f"step {HOLD_AT} loss", seconds=60)
         kernel.manager.shutdown_kernel(now=False)
     finally:
         kernel.close()
@@ -236,13 +248,24 @@ def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_fro
     time.sleep(1.0)
     assert [pid for pid in pids if pid_alive(pid)] == pids
     from ddp_notebook import DDPCluster
+    from ddp_notebook.errors import RankDiedError
 
     world = DDPCluster.attach_detached(entry["id"][:12])
     world.start()
     try:
         assert world.pids == pids and world.world_size == 2
+        os.kill(entry["rank_pids"][1], signal.SIGKILL)
+        assert wait_gone([entry["rank_pids"][1]]) == []
+        hold.unlink()  # rank 0 goes on, into an all-reduce with a rank that is gone
+        with pytest.raises(RankDiedError) as died:
+            world.wait(timeout=60)
+        assert "rank 1 exited" in str(died.value), died.value  # not a child of this process: no exit status
+        assert "The world went on without rank 1" in str(died.value), died.value
+        printed = capsys.readouterr().out
+        assert f"[rank 0] step {HOLD_AT} loss" in printed and "[rank 1] step 0 loss" not in printed, printed
+        assert world.world_size == 1
         result = world.execute("y = torch.ones(1)\ndist.all_reduce(y)\ny.item()", stream=False)
-        assert [result.value_text(rank) for rank in (0, 1)] == ["2.0", "2.0"]
+        assert result.value_text(0) == "1.0"
     finally:
         world.stop()
     assert wait_gone(pids) == [] and list(registry.glob("*")) == []

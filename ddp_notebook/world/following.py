@@ -130,7 +130,9 @@ def follow(
         )
     if on_data is None:
         on_data = cluster.recorder.feed(cell_run.text_view(context.stdout), ranks=earlier.ranks)
-    follower = _Follower(world, earlier, context, on_data)
+    # a rank that kept no record of the cell (it did not answer) may be one the cell lost
+    silent = tuple(rank for rank in sorted(world.ranks) if rank not in earlier.journals)
+    follower = _Follower(world, earlier, context, on_data, world.supervisor.find_dead(silent) if silent else {})
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not follower.over():
@@ -153,13 +155,20 @@ def follow(
 class _Follower:
     """One follow of an earlier cell: what was read of each rank's journal, and where it was shown."""
 
-    def __init__(self, world: RunningWorld, earlier: EarlierCell, context: cell_run.RunContext, on_data: Any) -> None:
+    def __init__(
+        self,
+        world: RunningWorld,
+        earlier: EarlierCell,
+        context: cell_run.RunContext,
+        on_data: Any,
+        dead: dict[int, Death],
+    ) -> None:
         self.world = world
         self.context = context
-        self.ranks = earlier.ranks
+        self.ranks = tuple(sorted({*earlier.ranks, *dead}))
         self.cells = dict(earlier.journals)
         self.ids = {rank: cell["id"] for rank, cell in earlier.journals.items()}
-        self.read_from = dict.fromkeys(self.ranks, 0)
+        self.read_from = dict.fromkeys(earlier.ranks, 0)
         self.on_data = on_data
         self.sink = OutputSink(
             context.stdout,
@@ -170,8 +179,8 @@ class _Follower:
         )
         self.lines = LineAssembler()
         self.displays = RankDisplays()
-        self.dead: dict[int, Death] = {}
-        self.dead_since: float | None = None
+        self.dead = dict(dead)
+        self.dead_since = time.monotonic() if dead else None
         self.next_death_check = 0.0
         reach = world.supervisor.reach()
         assert reach is not None  # earlier_cell read the journals through it
