@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .cell.xray import CollectiveMismatchError
     from .errors import (
         CellInterruptedError,
+        CellStillRunning,
         CellTimeoutError,
         DDPError,
         DDPUsageError,
@@ -81,6 +82,7 @@ _HOMES = {
     **dict.fromkeys(
         (
             "CellInterruptedError",
+            "CellStillRunning",
             "CellTimeoutError",
             "DDPError",
             "DDPUsageError",
@@ -100,6 +102,7 @@ __all__ = [
     "CellOutcome",
     "CellRequest",
     "CellResult",
+    "CellStillRunning",
     "CellTimeoutError",
     "CollectiveMismatchError",
     "DDPCluster",

@@ -246,6 +246,13 @@ class CellTimeoutError(DDPError):
         return [str(self)]
 
 
+class CellStillRunning(DDPError):
+    """`DDPCluster.wait` stopped following at its time limit: the cell goes on on the ranks."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
 class CellInterruptedError(DDPError):
     """The user interrupted a cell; the ranks were sent SIGINT."""
 

@@ -14,13 +14,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..cell.output import tag_text
-from ..errors import DDPUsageError
+from ..errors import CellStillRunning, DDPUsageError
 from ..live import trackers
 from ..live.feed import Feed
 from ..wire.results import CellResult
 from ..world import config
 from ..world.cluster import DDPCluster
-from ..world.following import CellStillRunning
 from ..world.report import format_values
 from .arguments import names, parse_line, ranks_args, tracker_args, usage_errors
 from .core import DDPMagics

@@ -320,8 +320,8 @@ class DDPCluster:
         return cell_run.run(self, world, request, self._run_context())
 
     def wait(self, timeout: float | None = None, *, on_data: Any = None) -> CellResult:
-        """Show the cell an earlier kernel left running on this detached world from its start, as its ranks
-        kept it, and follow it to its end (`%ddp_wait`); raises as `execute` does, or past `timeout` s."""
+        """Show the cell an earlier kernel left running on this detached world from its start, as its ranks kept
+        it, and follow it to its end (`%ddp_wait`); raises as `execute` does, `CellStillRunning` past `timeout`."""
         return following.follow(self, self._require_running(), self._run_context(), on_data, timeout).raise_for_error()
 
     def cell_request(self, code: str, ranks: Iterable[int] | str | None = None, **options: Any) -> CellRequest:

@@ -19,7 +19,7 @@ from ..cell import large_output, xray
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.output import LineAssembler
 from ..cell.relay import DEATH_GRACE_SECONDS, OutputSink, RankDisplays
-from ..errors import DDPError, DDPUsageError, RankFailure, name_ranks
+from ..errors import CellStillRunning, DDPUsageError, RankFailure, name_ranks
 from ..live import feed as live_feed
 from ..platform.processes import DEATH_CHECK_SECONDS
 from ..wire import journal as wire
@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 # how long a rank may take to answer one page of its journal (it answers from a thread of its own;
 # a page of a few MB is JSON-encoded while the rank's cell holds the GIL)
 PAGE_SECONDS = 5.0
-
-
-class CellStillRunning(DDPError):
-    """The cell was still running when the wait's time limit came; it goes on on the ranks."""
 
 
 @dataclass(frozen=True)
