@@ -14,7 +14,7 @@ from ddp_notebook.live.feed import Feed
 from ddp_notebook.rank.cell_journal import CellJournal
 from ddp_notebook.wire import journal as wire
 from ddp_notebook.wire.channel import MESSAGE_VERSION, message_key
-from ddp_notebook.world.following import EarlierCell
+from ddp_notebook.world.earlier_cell import EarlierCell
 
 CELL = {"msg_id": "cell-1", "msg_type": "execute_request", "session": "kernel-a"}
 

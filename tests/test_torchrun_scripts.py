@@ -78,9 +78,15 @@ def _context(backend: str = "gloo", world_size: int = 2, rank: int = 1) -> RankC
 
 
 def test_a_request_the_worlds_group_satisfies_is_answered_with_it() -> None:
-    for request in ({}, {"backend": "gloo"}, {"backend": "GLOO", "init_method": "env://"},
-                    {"backend": "cpu:gloo,cuda:nccl"}, {"backend": "gloo", "world_size": 2, "rank": 1},
-                    {"world_size": -1, "rank": -1}, {"backend": None, "store": object()}):
+    for request in (
+        {},
+        {"backend": "gloo"},
+        {"backend": "GLOO", "init_method": "env://"},
+        {"backend": "cpu:gloo,cuda:nccl"},
+        {"backend": "gloo", "world_size": 2, "rank": 1},
+        {"world_size": -1, "rank": -1},
+        {"backend": None, "store": object()},
+    ):
         assert mismatch(request, _context()) is None, request
     assert backend_matches("cuda:nccl,cpu:gloo", "nccl") and not backend_matches("nccl", "gloo")
 
@@ -150,8 +156,9 @@ def test_a_torchrun_script_runs_unchanged_and_ends_as_under_torchrun(script_worl
     out, error = kernel.run(f"%ddp_run {shape.script} {shape.resumed}", timeout=300)
     assert error is None, out
     assert re.search(r"[Rr]esum\w+ .*snapshot at [Ee]poch", out), out
-    assert _bitwise_equal(_weights(folder / shape.snapshot, shape.model_key),
-                          _weights(reference / shape.snapshot, shape.model_key))
+    assert _bitwise_equal(
+        _weights(folder / shape.snapshot, shape.model_key), _weights(reference / shape.snapshot, shape.model_key)
+    )
 
     # and the world goes on: the next cell has the world's group
     out, error = kernel.run("%%ddp\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(dist.is_initialized(), x.item())")
@@ -208,9 +215,7 @@ def test_an_incompatible_request_and_a_spawn_are_refused_in_one_line(script_worl
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[shape.script.removesuffix(".py") for shape in SHAPES])
-def test_a_death_mid_run_comes_back_and_the_script_resumes_from_its_snapshot(
-    script_world: tuple, shape: Shape
-) -> None:
+def test_a_death_mid_run_comes_back_and_the_script_resumes_from_its_snapshot(script_world: tuple, shape: Shape) -> None:
     """A rank SIGKILLed while the script trains: the world replaces it by itself, the cell names the
     death, and running the script again resumes from the snapshot file, as a restarted torchrun job does."""
     kernel, size, _, folder = script_world

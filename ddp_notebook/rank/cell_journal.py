@@ -19,9 +19,10 @@ from typing import Any
 
 from ..wire import journal as wire
 from ..wire.xray_messages import XRAY_VERSION, error_answer
+from .state import RANK
 
 # the display messages a cell's rank sends on IOPub, and what the journal calls each
-_DISPLAYS = {"display_data": "display", "update_display_data": "update", "clear_output": "clear"}
+DISPLAY_KINDS = (("display_data", "display"), ("update_display_data", "update"), ("clear_output", "clear"))
 
 
 class _Cell:
@@ -82,8 +83,8 @@ class CellJournal:
             return  # an earlier cell's late output, a call of the notebook's own (apply_request)
         if msg_type == "stream":
             self._add(cell, "stream", {"name": content.get("name", "stdout"), "text": content.get("text", "")})
-        elif msg_type in _DISPLAYS:
-            self._add(cell, _DISPLAYS[msg_type], content)
+        elif (kind := next((kind for sent, kind in DISPLAY_KINDS if sent == msg_type), None)) is not None:
+            self._add(cell, kind, content)
         elif msg_type == "execute_reply":
             with self._lock:
                 cell.ended = time.time()
@@ -176,25 +177,13 @@ def _thin_oldest_points(cell: _Cell) -> None:
     cell.thinned += 1
 
 
-JOURNAL: CellJournal | None = None  # set in a detached world's rank (`keep`)
-
-
-def keep_in_rank() -> CellJournal | None:
-    """Keep this rank's cells from now on (a detached world's rank, as it first joins); None outside
-    an ipyparallel engine."""
-    global JOURNAL
-    if JOURNAL is not None:
-        return JOURNAL
-    from IPython import get_ipython
-
+def keep(shell: Any) -> CellJournal:
+    """Keep this rank's cells from now on (`shell`: a detached world's rank's, as it first joins)."""
+    if RANK.journal is not None:
+        return RANK.journal
     from . import ipp_process_adapter as adapter
-    from .channel import in_rank
 
-    shell = get_ipython()
-    if not in_rank(shell):
-        return None
-
-    journal = JOURNAL = CellJournal()
+    journal = RANK.journal = CellJournal()
 
     def before_cell(info: Any = None) -> None:
         request, session = adapter.current_request(shell)
@@ -207,7 +196,7 @@ def keep_in_rank() -> CellJournal | None:
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
     """The X-ray's `journal` request, answered."""
-    if JOURNAL is None:
+    if RANK.journal is None:
         return dict(error_answer("this rank keeps no journal: its world is not detached"))
     since, limit = int(request.get("since", 0)), int(request.get("limit", wire.PAGE_BYTES))
-    return dict(JOURNAL.answer(since, limit))
+    return dict(RANK.journal.answer(since, limit))

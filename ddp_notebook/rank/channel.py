@@ -278,9 +278,7 @@ def _connect() -> Channel:
 
 def _journaled(publish: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
     """`publish`, each message also kept in a detached world's journal (`cell_journal`)."""
-    from . import cell_journal
-
-    journal = cell_journal.JOURNAL
+    journal = RANK.journal
     if journal is None:
         return publish
 
@@ -311,10 +309,8 @@ def tell_notebook(key: str) -> None:
     if in_rank(get_ipython()):
         from ipyparallel.datapub import publish_data
 
-        from .cell_journal import JOURNAL
-
-        if JOURNAL is not None:
-            JOURNAL.told(key)
+        if RANK.journal is not None:
+            RANK.journal.told(key)
         publish_data({key: True})
 
 

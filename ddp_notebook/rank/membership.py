@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ..platform import devices
 from ..platform.network import listen
-from ..wire.detached import DETACHED_ENV
 from ..wire.join import JoinReport, RankSpec
 from . import torch_adapter
 from . import xray as xray_rank
@@ -130,10 +129,7 @@ def init_world(spec: RankSpec) -> JoinReport:
         enable_stack_dumps(spec.stack_dir, rank)
         xray_rank.serve(spec.stack_dir, rank)
         RANK.membership.stack_dumps = True
-        if os.environ.get(DETACHED_ENV):  # read back by a kernel that attaches later (%ddp_wait)
-            from .cell_journal import keep_in_rank
-
-            keep_in_rank()
+        _keep_cells_if_detached()
     xray_address = None
     if spec.xray_key and spec.xray_toward:
         # a rank on another host: the notebook reaches its X-ray over TCP, signed with the world's key
@@ -146,6 +142,22 @@ def init_world(spec: RankSpec) -> JoinReport:
         xray_address=xray_address,
         off_here=_off_here(device),
     )
+
+
+def _keep_cells_if_detached() -> None:
+    """A detached world's rank keeps its newest cell for a kernel that attaches later (`%ddp_wait`)."""
+    from ..wire.detached import DETACHED_ENV
+
+    if not os.environ.get(DETACHED_ENV):
+        return
+    from IPython import get_ipython
+
+    from .cell_journal import keep
+    from .channel import in_rank
+
+    shell = get_ipython()
+    if in_rank(shell):
+        keep(shell)
 
 
 # said at %ddp_start where a CPU rank's torch cannot run FSDP2

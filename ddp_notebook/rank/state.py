@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..wire.profiling import MemorySample
+    from .cell_journal import CellJournal
     from .channel import Channel
     from .elastic import Snapshot
     from .reloading import Reloader
@@ -178,6 +179,7 @@ class RankState:
     step_hooks: StepHooks = field(default_factory=StepHooks)
     user_files: UserFiles = field(default_factory=UserFiles)
     profiling: Profiling | None = None  # only while a %%ddp --profile cell runs
+    journal: CellJournal | None = None  # a detached world's rank's newest cell, for a later kernel (%ddp_wait)
     breakpoints: int = 0  # breakpoint() calls so far: each one's key in the store
 
 

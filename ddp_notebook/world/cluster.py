@@ -36,7 +36,7 @@ from ..live import stragglers, trackers
 from ..live.profile_view import ProfileReport
 from ..rank import calls as rank_calls
 from ..wire.results import CellResult, Death, MemoryReading, RankInfo, RankStatus
-from . import cell_run, config, export, following, forming, provisioning, regroup, transfer
+from . import cell_run, config, earlier_cell, export, following, forming, provisioning, regroup, transfer
 from . import sync as file_sync
 from .cell_request import CellRequest
 from .config import WorldConfig
@@ -314,7 +314,7 @@ class DDPCluster:
         """Like `execute`, but return how the cell ended instead of raising for it."""
         world = self._require_running()
         request = self._request(code_or_request, ranks, options)
-        following.refuse_while_running(world)  # behind a cell an earlier kernel left running
+        earlier_cell.refuse_while_running(world)  # behind a cell an earlier kernel left running
         if self.needs_heal:
             self.heal()
         return cell_run.run(self, world, request, self._run_context())

@@ -3,16 +3,14 @@ that attached again (`DDPCluster.wait`, `%ddp_wait`): its output since it began,
 the curves so far, and how it ended, as `%%ddp` would have shown them.
 
 Each rank of a detached world keeps its newest cell (`rank.cell_journal`, bounded as
-`wire.journal` says); this module reads it over each rank's X-ray line, which a rank answers from a
-thread of its own while its cell runs, a page at a time from the entry it read last. The cell is
-"earlier" when another kernel (another ipyparallel session) sent it. Notebook side (no torch).
+`wire.journal` says; `earlier_cell` finds it); this module reads it over each rank's X-ray line,
+which a rank answers from a thread of its own while its cell runs, a page at a time from the entry
+it read last, and shows it through a cell's output sink and live view. Notebook side (no torch).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..cell import large_output, xray
@@ -26,6 +24,7 @@ from ..wire import journal as wire
 from ..wire.channel import message_key
 from ..wire.results import GROUP_BROKEN_KEY, CellResult, Death
 from . import cell_run
+from .earlier_cell import EarlierCell, earlier_cell
 from .running import RunningWorld
 
 if TYPE_CHECKING:
@@ -34,79 +33,6 @@ if TYPE_CHECKING:
 # how long a rank may take to answer one page of its journal (it answers from a thread of its own;
 # a page of a few MB is JSON-encoded while the rank's cell holds the GIL)
 PAGE_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class EarlierCell:
-    """The newest cell an earlier kernel sent the world, as its ranks kept it."""
-
-    journals: Mapping[int, wire.CellJournal]  # rank -> its record of the cell
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(self.journals))
-
-    @property
-    def running(self) -> tuple[int, ...]:
-        return tuple(rank for rank, cell in sorted(self.journals.items()) if cell["status"] == "running")
-
-    @property
-    def failed(self) -> tuple[int, ...]:
-        return tuple(rank for rank, cell in sorted(self.journals.items()) if cell["status"] != "ok" and cell["ended"])
-
-    @property
-    def started(self) -> float:
-        return min(cell["started"] for cell in self.journals.values())
-
-    def describe(self, now: float | None = None) -> str:
-        """One line for `%ddp_attach`: what the cell is doing, and how to see it."""
-        now = time.time() if now is None else now
-        first = _first_line(next(iter(self.journals.values()))["code"])
-        began = f"a cell sent by an earlier kernel ({first!r}) began {_ago(now - self.started)} ago"
-        if self.running:
-            return f"{began} and still runs on {name_ranks(self.running)}: %ddp_wait shows its output and follows it"
-        ended = max(cell["ended"] or 0.0 for cell in self.journals.values())
-        how = f"failed on {name_ranks(self.failed)}" if self.failed else "ended"
-        return f"{began} and {how} {_ago(now - ended)} ago: %ddp_wait shows its output and its end"
-
-
-def earlier_cell(world: RunningWorld) -> EarlierCell | None:
-    """The newest cell of the world's ranks that an earlier kernel sent (None: none, or the world's
-    ranks keep no journal: a world that is not detached)."""
-    ours = world.client.session.session
-    reach = world.supervisor.reach()
-    if reach is None:
-        return None
-    found: dict[int, wire.CellJournal] = {}
-    for rank in sorted(world.ranks):
-        answer = xray.ask(reach, rank, wire.journal_request(0, limit=0))
-        cell = answer.get("cell") if answer else None
-        if cell is not None and cell["session"] != ours:
-            found[rank] = cell
-    if not found:
-        return None
-    newest = max(found.values(), key=lambda cell: cell["started"])
-    same = {
-        rank: cell
-        for rank, cell in found.items()
-        if (cell["session"], cell["code"]) == (newest["session"], newest["code"])
-    }
-    return EarlierCell(same)
-
-
-def refuse_while_running(world: RunningWorld) -> None:
-    """Before a cell is sent to a detached world attached again: its ranks would queue it behind a cell
-    an earlier kernel left running, and run it, silent, once that one ends. Said instead, once per
-    such cell: after it ended, the world's ranks are read no more before a cell."""
-    if world.earlier_cell_checked:
-        return
-    earlier = earlier_cell(world)
-    if earlier is not None and earlier.running:
-        raise DDPUsageError(
-            f"a cell an earlier kernel sent still runs on {name_ranks(earlier.running)}: %ddp_wait follows it "
-            "to its end (%ddp_interrupt stops it)"
-        )
-    world.earlier_cell_checked = True
 
 
 def follow(
@@ -278,17 +204,3 @@ class _Follower:
             heal_note=heal_note,
             came_back=came_back,
         )
-
-
-def _first_line(code: str) -> str:
-    line = next((line.strip() for line in code.splitlines() if line.strip()), "")
-    return line if len(line) <= 40 else line[:37] + "..."
-
-
-def _ago(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

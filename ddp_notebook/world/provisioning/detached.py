@@ -3,7 +3,7 @@
 The world's entry in the user's registry (`world.detached`) says where its controller's connection
 file is and who each rank is: attaching is connecting a client and reading the rank map, without a
 word to the ranks through ipyparallel (a rank running a cell would answer only once the cell ends);
-what the ranks are doing is read from their journals (`following`), which a thread of theirs
+what the ranks are doing is read from their journals (`earlier_cell`), which a thread of theirs
 answers at once. `stop()` ends the
 world for real, as `%ddp_stop` in the kernel that started it would; a kernel that merely exits or
 dies leaves it running. It cannot start processes: a lost rank is not replaced (the world shrinks
@@ -103,7 +103,7 @@ class DetachedProvisioner(Provisioner):
         self.found = wire.read_entry(wire.entry_path(self.entry["id"])) or self.found
         self.attached = True
         if first:  # as the kernel attaches: the ranks' journals answer from a thread of their own, at once
-            from ..following import earlier_cell
+            from ..earlier_cell import earlier_cell
 
             self.earlier_cell = earlier_cell(world)
 
