@@ -23,6 +23,7 @@ its ranks too are fresh interpreters), alternated, in the same kernel.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import signal
 import statistics
@@ -97,14 +98,18 @@ def idle_end_once(ranks: int, limit: float) -> float:
 
 
 LOOP = (
-    "%%ddp\nimport time\nbegan = time.perf_counter()\n"
+    "%%ddp\nimport time\nbegan, cpu = time.perf_counter(), time.process_time()\n"
     "for i in range({steps}):\n    print(f'step {{i}} of the loop')\n    ddp_notebook.log(loss=1.0 / (i + 1))\n"
-    "rate = {steps} / (time.perf_counter() - began)"
+    "time.sleep(0.5)  # the output's last flush, on ipykernel's IO thread, counted too\n"
+    "rate = ({steps} / (time.perf_counter() - began - 0.5), 1e6 * (time.process_time() - cpu) / {steps})"
 )
 
 
-def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, list[tuple[float, float]]]:
-    """(%ddp_attach s, %ddp_wait s, [(steps/s keeping a journal, steps/s keeping none)] per pair)."""
+Rate = tuple[float, float]  # (steps/s, the rank process's CPU µs per step, every thread of it)
+
+
+def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, int, list[tuple[Rate, Rate]]]:
+    """(%ddp_attach s, %ddp_wait s, the lines it showed, [(the loop keeping a journal, keeping none)] per pair)."""
     from ddp_notebook.wire import detached as wire
     from tests.test_kernel import Kernel
 
@@ -132,6 +137,7 @@ def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, list
         out, error = kernel.run("%ddp_wait")
         follow = time.perf_counter() - began
         assert error is None and f"[rank {ranks - 1}] step {steps - 1} of the loop" in out, out[-2000:]
+        shown = sum(line.startswith("[rank ") for line in out.splitlines())
         (path,) = wire.registry_dir().glob("*.json")
         rates = []
         for _ in range(pairs):
@@ -147,15 +153,15 @@ def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, list
         assert not path.exists()
     finally:
         kernel.close()
-    return attach, follow, rates
+    return attach, follow, shown, rates
 
 
-def _loop_rate(kernel: Any, steps: int) -> float:
-    """The loop's steps/s on the ranks (their median), its output shown as a user's would be."""
+def _loop_rate(kernel: Any, steps: int) -> Rate:
+    """The loop's steps/s and CPU µs per step on the ranks (medians), its output shown as a user's would be."""
     out, error = kernel.run(LOOP.format(steps=steps) + "\nrate", timeout=600)
     assert error is None, out[-2000:]
-    rates = [float(line.split("Out: ")[1]) for line in out.splitlines() if "Out: " in line]
-    return statistics.median(rates)
+    rates = [ast.literal_eval(line.split("Out: ")[1]) for line in out.splitlines() if "Out: " in line]
+    return statistics.median(rate for rate, _ in rates), statistics.median(cpu for _, cpu in rates)
 
 
 def main() -> None:
@@ -166,21 +172,30 @@ def main() -> None:
     parser.add_argument("--journal", type=int, default=0, metavar="STEPS", help="time %%ddp_wait and the journal")
     parser.add_argument("--pairs", type=int, default=3, help="with --journal: alternated runs of the loop")
     args = parser.parse_args()
+    from ddp_notebook.wire import journal
+
     exit_on_sigterm()
     os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="bench-detached-")  # the kernels inherit it
     print(machine_info())
     if args.journal:
-        attach, follow, rates = journal_once(args.ranks, args.journal, args.pairs)
+        attach, follow, shown, rates = journal_once(args.ranks, args.journal, args.pairs)
         lines = args.journal * args.ranks
         print(
             f"a cell of {args.journal} steps (a line and a point each) ended with no kernel attached: %ddp_attach "
-            f"{attach:.2f} s, %ddp_wait showing its {lines} lines, {lines} points and its end {follow:.2f} s"
+            f"{attach:.2f} s, %ddp_wait showing {shown} of its {lines} lines (each rank keeps its last "
+            f"{journal.TEXT_LIMIT_BYTES >> 20} MiB), its {lines} points and its end {follow:.2f} s"
         )
-        ratios = [kept / plain for kept, plain in rates]
+        ratios = [kept[0] / plain[0] for kept, plain in rates]
         print(
             "the loop's steps/s keeping a journal (detached) / keeping none, per pair: "
-            + ", ".join(f"{kept:.0f}/{plain:.0f} = {kept / plain:.3f}" for kept, plain in rates)
+            + ", ".join(f"{kept[0]:.0f}/{plain[0]:.0f} = {kept[0] / plain[0]:.3f}" for kept, plain in rates)
             + f" (median {statistics.median(ratios):.3f})"
+        )
+        kept_cpu, plain_cpu = (statistics.median(rate[side][1] for rate in rates) for side in (0, 1))
+        print(
+            "a rank's CPU per step (every thread of its process), keeping a journal / keeping none: "
+            + ", ".join(f"{kept[1]:.1f}/{plain[1]:.1f} µs" for kept, plain in rates)
+            + f" (medians {kept_cpu:.1f} / {plain_cpu:.1f})"
         )
         return
     runs = [attach_once(args.ranks) for _ in range(args.repeats)]
