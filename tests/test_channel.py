@@ -493,22 +493,36 @@ def test_metrics_to_pandas() -> None:
         assert list(frame.columns) == ["rank", "name", "step", "value"] and len(frame) == 2
 
 
-def test_data_published_before_the_relay_listened_is_caught_up(clock: Clock) -> None:
-    """The cell relay replays the data ipyparallel folded into a message's metadata."""
+def test_the_relay_listens_to_each_rank_before_its_request_is_sent(clock: Clock) -> None:
+    """`CellRelay.watch` registers on a rank's message future (handed over before the send): its
+    published data reach the live view, its idle status ends the rank's part."""
     from types import SimpleNamespace
 
     from ddp_notebook.cell.relay import CellRelay, PublishedData
+    from ddp_notebook.wire.channel import MESSAGE_KEY
 
+    done: list[Any] = []
+    future = SimpleNamespace(iopub_callbacks=[], output=SimpleNamespace(add_done_callback=done.append))
+    relay = CellRelay(client=None, ranks=(3, 5))
+    relay.watch(1, future)
+    assert len(future.iopub_callbacks) == 1 and len(done) == 1
     sent: list[dict[str, Any]] = []
     Channel(publish=sent.append, clock=clock).log(None, {"loss": 1.0})
-    metadata = {"stdout": "", "stderr": "", "outputs": [], "data": dict(sent[0])}
-    relay = CellRelay(client=None, ranks=(0,))
-    relay._catch_up(0, SimpleNamespace(output=SimpleNamespace(metadata=metadata)))
+    from ipyparallel.serialize import serialize_object
+
+    message = {"header": {"msg_type": "data_message"}, "content": {}, "buffers": serialize_object(sent[0])}
+    future.iopub_callbacks[0](message)
     item = relay._queue.get_nowait()
-    assert isinstance(item, PublishedData) and item.rank == 0
+    assert isinstance(item, PublishedData) and item.rank == 5 and any(MESSAGE_KEY in key for key in item.payload)
     feed = Feed(None, clock=clock)
     feed(item.rank, item.payload)
-    assert feed.metrics.series("loss", 0) == ([0], [1.0])
+    assert feed.metrics.series("loss", 5) == ([0], [1.0])
+    other = SimpleNamespace(iopub_callbacks=[], output=SimpleNamespace(add_done_callback=done.append))
+    relay.watch(0, other)
+    done[0](None)
+    assert relay._queue.empty(), "the waiting thread is woken once every rank went idle"
+    done[1](None)
+    assert set(relay._queue.get_nowait().ranks) == {3, 5}
 
 
 def test_a_failing_view_is_dropped_and_the_data_kept(clock: Clock) -> None:

@@ -37,6 +37,32 @@ def test_message_futures_follow_the_targets(world: DDPCluster) -> None:
     assert all(f.done() and f.output.metadata["engine_id"] == e for f, e in zip(futures, engines))
 
 
+def test_an_execute_watched_hands_each_future_over_before_its_request_is_sent(world: DDPCluster) -> None:
+    """`execute_watched`: each engine's future, in the view's order, before anything of its reply
+    arrived; a callback registered then sees every message, the first one too."""
+    client = _client(world)
+    engines = [info.engine_id for info in world.ranks]
+    view = client.direct_view(engines)
+    seen: dict[int, list[str]] = {}
+    fresh: list[bool] = []
+
+    def watch(index: int, future: object) -> None:
+        fresh.append(not future.done() and not future.output.metadata["stdout"])  # type: ignore[attr-defined]
+        kinds = seen.setdefault(index, [])
+        future.iopub_callbacks.append(lambda msg: kinds.append(msg["header"]["msg_type"]))  # type: ignore[attr-defined]
+
+    result = ipp_adapter.execute_watched(view, "import os\nprint(os.getpid(), flush=True)\n7 * 6", watch)
+    result.get(timeout=30)
+    result.wait_for_output(timeout=30)
+    assert fresh == [True] * len(engines) and sorted(seen) == list(range(len(engines)))
+    for index, future in enumerate(ipp_adapter.message_futures(result)):
+        assert future.output.metadata["engine_id"] == engines[index]
+        assert future.output.metadata["stdout"].strip() == str(world.ranks[index].pid)
+        assert future.output.metadata["execute_result"]["data"]["text/plain"] == "42"
+        # the first message of a reply, the rank's busy status, too
+        assert seen[index][0] == "status" and {"stream", "execute_result"} <= set(seen[index]), seen[index]
+
+
 def test_callbacks_run_on_the_io_thread(world: DDPCluster) -> None:
     ran_on: list[int] = []
     done = threading.Event()

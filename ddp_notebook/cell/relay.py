@@ -301,25 +301,20 @@ class CellRelay:
         self._mismatch_watch = MismatchWatch()
         self._displays = RankDisplays()
 
-    def attach(self, async_result: Any) -> None:
-        """Start relaying `async_result`'s messages; call right after sending the cell.
+    def watch(self, index: int, future: Any) -> None:
+        """Relay the messages of the rank at `index` of the cell's ranks: `future` is its request's
+        message future, handed over before the request is sent (`ipp_adapter.execute_watched`), so
+        every message of the reply reaches these callbacks."""
+        rank = self._ranks[index]
+        future.iopub_callbacks.append(lambda msg: self._on_iopub(rank, msg))
+        # the output future resolves on the rank's 'idle' status, after all its output;
+        # ipyparallel may drop the message future before that status reaches callbacks
+        future.output.add_done_callback(lambda _: self._went_idle(rank))
 
-        The request itself was handed to the IO thread as a callback; this one is queued
-        behind it, so it runs before the thread reads any reply to the request. No need
-        to wait for it here: whatever arrives earlier is caught up from the metadata.
-        """
+    def attach(self, async_result: Any) -> None:
+        """Wait for `async_result`, the cell sent with `watch` on each of its message futures."""
         self._async_result = async_result
         self._futures = list(message_futures(async_result))  # asked once: every later question reads these
-
-        def register() -> None:
-            for rank, future in zip(self._ranks, self._futures):
-                self._catch_up(rank, future)
-                future.iopub_callbacks.append(lambda msg, rank=rank: self._on_iopub(rank, msg))
-                # the output future resolves on the rank's 'idle' status, after all its output;
-                # ipyparallel may drop the message future before that status reaches callbacks
-                future.output.add_done_callback(lambda _, rank=rank: self._went_idle(rank))
-
-        on_io_thread(self._client, register)
         async_result.add_done_callback(lambda _: self._queue.put(AllReplied()))
 
     def _went_idle(self, rank: int) -> None:
@@ -336,18 +331,6 @@ class CellRelay:
         the last rank, which never comes) are told to the waiting thread, queued on the IO thread
         behind what it already handled."""
         on_io_thread(self._client, lambda: self._queue.put(WentIdle(tuple(self._idle_seen))))
-
-    def _catch_up(self, rank: int, future: Any) -> None:
-        metadata = future.output.metadata
-        for stream in ("stdout", "stderr"):
-            if metadata[stream]:
-                self._queue.put(StreamText(rank, stream, metadata[stream]))
-        for output in metadata["outputs"]:
-            self._queue.put(Display(rank, output))
-        if metadata.get("data"):
-            # published before we listened (ipyparallel keeps only the merge of such messages;
-            # ddp_notebook's carry a sequence number, so a merged-away one would be noticed)
-            self._queue.put(PublishedData(rank, dict(metadata["data"])))
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..cell import busy as busy_ranks
-from ..cell import large_output
+from ..cell import ipp_adapter, large_output
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.profiling import ProfiledCell
 from ..cell.relay import CellRelay, OutputSink
@@ -83,7 +83,7 @@ def run(cluster: DDPCluster, world: RunningWorld, request: CellRequest, context:
     if not request.everywhere:
         # queued ahead of the cell on the same ranks, so no round trip is waited for
         view.apply_async(rank_calls.skip_cell_snapshot)
-    relay.attach(view.execute(request.code, silent=False, block=False))
+    relay.attach(ipp_adapter.execute_watched(view, request.code, relay.watch))
     # the live view shows the ranks' memory and collective X-ray too; a caller's own on_data
     # gets rank data only
     feed = on_data if isinstance(on_data, live_feed.Feed) else None
