@@ -29,8 +29,9 @@ from .xray import Mismatch, MismatchWatch
 
 # after an interrupt or timeout, how long the ranks get to stop before we give up waiting
 INTERRUPT_GRACE_SECONDS = 5.0
-# after every rank replied, how long to wait for the tail of its output
-OUTPUT_DRAIN_SECONDS = 2.0
+# after every rank replied, how long to wait for the tail of its output: a healthy rank's idle status
+# always comes, after all of it, but its IOPub thread can lag its reply by seconds on a loaded machine
+OUTPUT_DRAIN_SECONDS = 10.0
 # how often a running cell reads its ranks' memory against their limit (a few small files)
 MEMORY_CHECK_SECONDS = 1.0
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)

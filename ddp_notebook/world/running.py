@@ -34,8 +34,8 @@ class RunningWorld:
     supervisor: WorldSupervisor  # what a cell's relay asks about the world while it waits
     # the cells that set a rank up (%%ddp --setup), replayed on a rank that replaces a dead one
     setup_cells: list[str] = dataclasses.field(default_factory=list)
-    # whether a cell an earlier kernel left running is known not to run any more (`following`): only a
-    # detached world attached again can have one
+    # whether a cell an earlier kernel left running is known not to run any more (`earlier_cell`): only
+    # a detached world attached again can have one (its provisioner says so as it opens)
     earlier_cell_checked: bool = True
     _views: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict, init=False)
 
@@ -51,8 +51,6 @@ class RunningWorld:
         # the supervisor reads the rank map as it is when asked: it changes as the world heals
         supervisor = WorldSupervisor(provisioner, controller, lambda: world.ranks, private_dir)
         world = cls(provisioner, layout, ranks, private_dir, controller, supervisor)
-        attach = provisioner.config.launch.attach
-        world.earlier_cell_checked = attach is None or attach.world is None
         supervisor.watch_ranks()
         provisioner.opened(world)
         return world

@@ -106,6 +106,8 @@ class DetachedProvisioner(Provisioner):
             from ..earlier_cell import earlier_cell
 
             self.earlier_cell = earlier_cell(world)
+            # a cell sent now would queue behind one still running: each cell looks until it ended
+            world.earlier_cell_checked = self.earlier_cell is None or not self.earlier_cell.running
 
     def stop(self) -> None:
         client, self.client = self.client, None
