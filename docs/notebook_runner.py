@@ -1,8 +1,9 @@
 """Run a tour notebook top to bottom in a real kernel, as the test suite and the docs build both do.
 
-One implementation: tests/conftest.py executes each notebook once per test session through
-`execute` (tests/test_notebooks.py checks what it printed, tests/test_docs_site.py builds the
-site from it), and docs/build.py executes them through the same function for a local build.
+One implementation: tests/test_binder.py executes each notebook through `execute` inside the Binder
+environment, and tests/conftest.py through the same function for any notebook that run did not
+serve (tests/test_notebooks.py checks what it printed, tests/test_docs_site.py builds the site from
+it); docs/build.py executes them through the same function for a local build.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ def tour() -> list[Path]:
     return sorted(NOTEBOOKS.glob("*.ipynb"))
 
 
-def execute(path: Path, workdir: Path, timeout: int = CELL_SECONDS) -> nbformat.NotebookNode:
-    """The notebook at `path`, executed with `workdir` as its folder (files it writes land there).
+def execute(
+    path: Path, workdir: Path, timeout: int = CELL_SECONDS, kernel_name: str = "python3", startup_timeout: int = 60
+) -> nbformat.NotebookNode:
+    """The notebook at `path`, executed with `workdir` as its folder (files it writes land there),
+    in the kernel named `kernel_name` (python3: the kernel of the python running this).
 
     The kernel inherits this process's environment, so a setting the notebooks read (a shorter
     run under test) reaches them the same way from pytest and from the docs build. A cell that
@@ -37,7 +41,11 @@ def execute(path: Path, workdir: Path, timeout: int = CELL_SECONDS) -> nbformat.
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(path, workdir / path.name)  # as where it is opened: next to itself
     NotebookClient(
-        notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+        notebook,
+        timeout=timeout,
+        startup_timeout=startup_timeout,
+        kernel_name=kernel_name,
+        resources={"metadata": {"path": str(workdir)}},
     ).execute()
     return notebook
 

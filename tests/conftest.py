@@ -111,8 +111,14 @@ class ExecutedNotebook:
 
 
 class ExecutedNotebooks:
-    """Each notebook executed once, on first use, by docs/notebook_runner.py (the docs build's
-    runner): tests/test_notebooks.py checks the outputs, tests/test_docs_site.py publishes them."""
+    """Each notebook executed once per session by docs/notebook_runner.py (the docs build's
+    runner): tests/test_notebooks.py checks the outputs, tests/test_docs_site.py publishes them.
+
+    tests/test_binder.py (which runs first) shares the runs it made in the Binder environment,
+    through the same runner; a notebook it did not run, or whose run there failed, runs here on
+    first use. The Binder environment is this package and the newest releases pip resolves, as
+    a clean install of the test extra gets them.
+    """
 
     def __init__(self, factory: pytest.TempPathFactory) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
@@ -135,6 +141,11 @@ class ExecutedNotebooks:
             raise run
         return run
 
+    def share(self, path: Path, notebook: Any, folder: Path) -> None:
+        """Take a run of `path` made elsewhere without an error (its executed notebook, and the
+        folder it ran in); a notebook already run here keeps its own run."""
+        self._runs.setdefault(path, ExecutedNotebook(notebook, folder))
+
 
 # the notebooks read it and run their short setting (the same cells, fewer steps)
 QUICK_NOTEBOOKS = {"DDP_NOTEBOOK_QUICK": "1"}
@@ -146,6 +157,39 @@ def executed_notebooks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exe
         for name, value in QUICK_NOTEBOOKS.items():
             patch.setenv(name, value)  # the kernels inherit this process's environment
         yield ExecutedNotebooks(tmp_path_factory)
+
+
+BINDER_TEST = Path(__file__).resolve().parent / "test_binder.py"
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Binder test runs just before the first module that reads the executed notebooks: its
+    runs serve that module (ExecutedNotebooks.share), and its environment has had the tests
+    before it to build in (binder_build)."""
+    binder = [item for item in items if item.path == BINDER_TEST]
+    others = [item for item in items if item.path != BINDER_TEST]
+    readers = [item for item in others if "executed_notebooks" in getattr(item, "fixturenames", ())]
+    if binder and readers:
+        first = next(index for index, item in enumerate(others) if item.path == readers[0].path)
+        items[:] = others[:first] + binder + others[first:]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def binder_build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The Binder test's environment (a tests.binder_build.BinderBuild), built from the session's
+    start at nice 19 beside the other tests, where that test is to run (None elsewhere): it is
+    mostly pip on one core, which the tests before it leave idle much of the time."""
+    if not any(item.path == BINDER_TEST for item in request.session.items):
+        yield None
+        return
+    from tests.binder_build import BinderBuild
+
+    build = BinderBuild(tmp_path_factory.mktemp("binder"), background=True).start()
+    try:
+        yield build
+    finally:
+        build.stop()  # where the session ends before the test: nothing of the build runs on
 
 
 @contextlib.contextmanager

@@ -1,19 +1,18 @@
 """Binder, reproduced without Docker: an environment built only from binder/, every notebook run in it.
 
-What repo2docker does with this repository, and what this test does in its place:
+What repo2docker does with this repository, and what this test does in its place: steps 1-3 (the
+runtime's Python, the repository copied in, a fresh venv,  pip install -r binder/requirements.txt
+from its root, binder/postBuild) are tests/binder_build.py's, which tests/conftest.py starts in
+the background when the session starts; then:
 
-1. Python of the version in binder/runtime.txt: here the same version's interpreter from this
-   machine (the test is skipped, saying so, where there is none).
-2. The repository is copied in, and from its root  pip install -r binder/requirements.txt  runs
-   (the local `.` line installs this package). Here: the files a clone would hold (tracked, and
-   untracked ones not ignored) are copied to a temporary folder, a fresh `python -m venv` is made,
-   and the same pip command runs from the copy's root, with nothing else installed first.
-3. binder/postBuild runs once after the install, and binder/start wraps the server's command at
-   every launch (each only if present). Here: the same, around the notebook runner.
 4. JupyterLab opens the notebooks. Here: every notebooks/*.ipynb runs top to bottom with nbclient
-   inside the venv, in a kernel whose kernelspec is installed into the venv (its python is
+   inside the venv, through docs/notebook_runner.py (the runner of the docs build and of
+   tests/conftest.py), in a kernel whose kernelspec is installed into the venv (its python is
    asserted to be the venv's, and so is the ranks'), while the memory of the kernel and all its
-   processes is sampled: Binder gives a session at most about 2 GB.
+   processes is sampled: Binder gives a session at most about 2 GB. Each notebook runs in a
+   folder of its own, as in a fresh session; the runs serve tests/test_notebooks.py and the docs
+   site too, so the tour runs once per test session, not twice. binder/start, where present,
+   wraps the runner as it wraps the server's command at every launch.
 
 Differences, on purpose:
 - The CPU index that requirements.txt names (download.pytorch.org) is unreachable from the
@@ -36,100 +35,25 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlparse
 
+import nbformat
 import pytest
 
 from ddp_notebook.platform import devices
-from tests.conftest import QUICK_NOTEBOOKS
+from tests.binder_build import BinderBuild, run_checked
+from tests.conftest import QUICK_NOTEBOOKS, ExecutedNotebooks
 
 pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parent.parent
-BINDER = ROOT / "binder"
 MEMORY_LIMIT_MB = 2048  # mybinder.org: at least 1 GB, at most 2 GB per session
-PIP_SECONDS = 480
 NOTEBOOK_CELL_SECONDS = 300
 RUNNER_SECONDS = 600
-
-
-def runtime_python() -> str:
-    """An interpreter of the Python version binder/runtime.txt names (python-X.Y)."""
-    text = (BINDER / "runtime.txt").read_text().strip()
-    match = re.fullmatch(r"python-(\d+)\.(\d+)(\.\d+)?", text)
-    assert match, f"binder/runtime.txt should read python-X.Y, not {text!r}"
-    wanted = (int(match.group(1)), int(match.group(2)))
-    if sys.version_info[:2] == wanted:
-        return sys.executable
-    found = shutil.which(f"python{wanted[0]}.{wanted[1]}")
-    if found is None:
-        pytest.skip(f"binder/runtime.txt asks for Python {wanted[0]}.{wanted[1]}, which this machine lacks")
-    return found
-
-
-def copy_repository(target: Path) -> None:
-    """Copy what a clone of the repository would hold (tracked files, and new files not ignored)."""
-    try:
-        listing = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            timeout=60,
-            check=True,
-        ).stdout.decode()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: cannot tell which files a clone (and so Binder) would have")
-    for name in filter(None, listing.split("\0")):
-        source = ROOT / name
-        if source.is_file():  # a tracked file deleted in the working tree is not there
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / name)
-
-
-def index_answers(url: str, seconds: float = 5.0) -> bool:
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port or 443), timeout=seconds):
-            return True
-    except OSError:
-        return False
-
-
-def drop_unreachable_indexes(requirements: Path) -> list[str]:
-    """Comment out the extra indexes that do not answer from here; return their URLs."""
-    dropped = []
-    lines = requirements.read_text().splitlines()
-    for number, line in enumerate(lines):
-        option = re.match(r"\s*--extra-index-url[\s=]+(\S+)", line)
-        if option and not index_answers(option.group(1)):
-            dropped.append(option.group(1))
-            lines[number] = f"# left out by tests/test_binder.py, unreachable from here: {line}"
-    requirements.write_text("\n".join(lines) + "\n")
-    return dropped
-
-
-def run_checked(command: list[str], cwd: Path, env: dict[str, str], seconds: float, log: Path) -> None:
-    """Run a command in its own process group, output to `log`; kill the group if it overruns."""
-    with log.open("ab") as output:
-        process = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = process.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-            pytest.fail(f"{' '.join(command[:4])} ... did not finish within {seconds:g} s; see {log}")
-    if code != 0:
-        tail = log.read_text(errors="replace")[-4000:]
-        pytest.fail(f"{' '.join(command[:4])} ... exited with {code}:\n{tail}")
 
 
 def processes_under(prefix: Path) -> list[int]:
@@ -153,21 +77,27 @@ def processes_under(prefix: Path) -> list[int]:
 def run_notebooks(argv: list[str]) -> int:
     """Runs INSIDE the Binder venv (shipped as source): execute notebooks, write a JSON report.
 
-    argv: kernel name, report path, seconds per cell, notebook paths. While each notebook runs,
-    the processes under this one (the kernel, the controller, the ranks) are sampled: their
-    memory, the python they run and the OMP_NUM_THREADS they were given.
+    argv: kernel name, report path, seconds per cell, the folder of docs/notebook_runner.py, the
+    folder to run in, notebook paths. Each notebook runs through the docs build's runner in a
+    folder of its own (as a fresh Binder session opens it), its executed copy written next to
+    that folder. While each notebook runs, the processes under this one (the kernel, the
+    controller, the ranks) are sampled: their memory, the python they run and the
+    OMP_NUM_THREADS they were given.
     """
     import json
+    import sys
     import threading
     import time
     from pathlib import Path
 
     import nbformat
     import psutil
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    kernel_name, report_path, cell_seconds, *paths = argv
+    kernel_name, report_path, cell_seconds, runner_folder, runs_folder, *paths = argv
+    sys.path.insert(0, runner_folder)
+    from notebook_runner import execute
+
     me = psutil.Process()
 
     def sample(seen: dict[int, dict], peak: list[float], running: threading.Event) -> None:
@@ -199,15 +129,10 @@ def run_notebooks(argv: list[str]) -> int:
             time.sleep(0.5)
 
     report: dict = {"notebooks": []}
-    for path in paths:
-        notebook = nbformat.read(path, as_version=4)
-        client = NotebookClient(
-            notebook,
-            timeout=int(cell_seconds),
-            startup_timeout=120,
-            kernel_name=kernel_name,
-            resources={"metadata": {"path": str(Path(path).parent)}},
-        )
+    for path in map(Path, paths):
+        folder = Path(runs_folder) / path.stem
+        executed = Path(runs_folder) / f"{path.stem}.executed.ipynb"
+        notebook = None
         seen: dict[int, dict] = {}
         peak = [0.0]
         running = threading.Event()
@@ -217,7 +142,8 @@ def run_notebooks(argv: list[str]) -> int:
         began = time.monotonic()
         error = None
         try:
-            client.execute()
+            notebook = execute(path, folder, int(cell_seconds), kernel_name=kernel_name, startup_timeout=120)
+            nbformat.write(notebook, executed)
         except CellExecutionError as failure:
             error = str(failure).strip().splitlines()[-1][:500]
         except Exception as failure:  # noqa: BLE001  (a timeout or a dead kernel: report it, go on)
@@ -225,13 +151,15 @@ def run_notebooks(argv: list[str]) -> int:
         running.clear()
         sampler.join(5)
         texts = []
-        for cell in notebook.cells:
+        for cell in notebook.cells if notebook is not None else []:
             for output in cell.get("outputs", []):
                 texts.append(output.get("text", "") or output.get("data", {}).get("text/plain", ""))
         report["notebooks"].append(
             {
-                "name": Path(path).name,
+                "name": path.name,
                 "error": error,
+                "folder": str(folder),
+                "executed": str(executed) if error is None else None,
                 "seconds": round(time.monotonic() - began, 1),
                 "peak_memory_mb": round(peak[0]),
                 "processes": list(seen.values()),
@@ -253,28 +181,17 @@ def runner_script() -> str:
     )
 
 
-def test_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
-    python = runtime_python()
-    repo, venv, log = tmp_path / "repo", tmp_path / "venv", tmp_path / "build.log"
-    repo.mkdir()
-    copy_repository(repo)
+def test_binder_environment_runs_every_notebook(
+    tmp_path: Path, binder_build: BinderBuild | None, executed_notebooks: ExecutedNotebooks
+) -> None:
+    # steps 1-3, built since the session started (or now, where the session did not start it)
+    began = time.monotonic()
+    build = (binder_build or BinderBuild(tmp_path / "build", background=False).start()).wait()
+    waited = time.monotonic() - began
+    repo, venv, log, env, dropped = build.repo, build.venv, build.log, build.env, build.dropped
+    vpython = str(build.python)
     notebooks = sorted((repo / "notebooks").glob("*.ipynb"))
     assert any(p.name == "01_quickstart.ipynb" for p in notebooks)
-    dropped = drop_unreachable_indexes(repo / "binder" / "requirements.txt")
-
-    # the same steps as repo2docker, in a fresh venv
-    env = {**os.environ, "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_PROGRESS_BAR": "off"}
-    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-        env.pop(name, None)
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    began = time.monotonic()
-    run_checked([python, "-m", "venv", str(venv)], repo, env, 120, log)
-    vpython = str(venv / "bin" / "python")
-    run_checked([vpython, "-m", "pip", "install", "-r", "binder/requirements.txt"], repo, env, PIP_SECONDS, log)
-    if (repo / "binder" / "postBuild").exists():
-        os.chmod(repo / "binder" / "postBuild", 0o755)
-        run_checked([str(repo / "binder" / "postBuild")], repo, env, 300, log)
-    build_seconds = time.monotonic() - began
 
     # what was installed: the pinned CPU build of torch, this package from the copy, widgets in JupyterLab
     facts = subprocess.run(
@@ -332,7 +249,10 @@ def test_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
         "JUPYTER_DATA_DIR": str(home / ".local" / "share" / "jupyter"),
         "JUPYTER_RUNTIME_DIR": str(home / ".local" / "share" / "jupyter" / "runtime"),
     }
-    command = [vpython, str(script), kernel_name, str(report), str(NOTEBOOK_CELL_SECONDS), *map(str, notebooks)]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    command = [vpython, str(script), kernel_name, str(report), str(NOTEBOOK_CELL_SECONDS), str(repo / "docs")]
+    command += [str(runs), *map(str, notebooks)]
     start = repo / "binder" / "start"
     if start.exists():
         os.chmod(start, 0o755)
@@ -351,13 +271,19 @@ def test_binder_environment_runs_every_notebook(tmp_path: Path) -> None:
     run_seconds = time.monotonic() - began
 
     results = json.loads(report.read_text())
+    # each run that went through serves tests/test_notebooks.py and the docs site (tests/conftest.py)
+    for result in results["notebooks"]:
+        if result["executed"] is not None:
+            notebook = nbformat.read(result["executed"], as_version=4)
+            executed_notebooks.share(ROOT / "notebooks" / result["name"], notebook, Path(result["folder"]))
     summary = "\n".join(
         f"  {r['name']}: {'ok' if r['error'] is None else 'FAILED: ' + r['error']}, "
         f"{r['seconds']} s, peak memory {r['peak_memory_mb']} MB"
         for r in results["notebooks"]
     )
     print(
-        f"\nBinder environment built in {build_seconds:.0f} s (indexes left out: {dropped or 'none'}); "
+        f"\nBinder environment built in {build.seconds:.0f} s, {waited:.0f} s of it waited for here "
+        f"(indexes left out: {dropped or 'none'}); "
         f"notebooks run in {run_seconds:.0f} s:\n{summary}"
     )
     ran = results["notebooks"]
