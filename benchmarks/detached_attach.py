@@ -182,7 +182,7 @@ def main() -> None:
         lines = args.journal * args.ranks
         print(
             f"a cell of {args.journal} steps (a line and a point each) ended with no kernel attached: %ddp_attach "
-            f"{attach:.2f} s, %ddp_wait showing {shown} of its {lines} lines (each rank keeps its last "
+            f"{attach:.2f} s, %ddp_wait showing {shown} of its {lines} lines (each rank keeps at most "
             f"{journal.TEXT_LIMIT_BYTES >> 20} MiB), its {lines} points and its end {follow:.2f} s"
         )
         ratios = [kept[0] / plain[0] for kept, plain in rates]

@@ -146,10 +146,11 @@ class CellJournal:
 
 
 def _drop_oldest_text(cell: _Cell) -> None:
-    """Past the output bound: the oldest text and displays go (the live view's points stay)."""
+    """Past the output bound: the oldest text and displays go, down to TEXT_KEPT_BYTES (the live
+    view's points stay)."""
     kept = []
     for entry in cell.entries:
-        if cell.text_bytes > wire.TEXT_LIMIT_BYTES and entry[1] != "data":
+        if cell.text_bytes > wire.TEXT_KEPT_BYTES and entry[1] != "data":
             cell.text_bytes -= entry[3]
             cell.dropped_bytes += entry[3]
             continue

@@ -6,7 +6,7 @@ printed, its rich displays, its live-view messages (`wire.channel.RankMessage`) 
 A kernel reads it over the rank's X-ray line (a thread of the rank's own, so it answers while the
 cell runs), a page at a time from the entry it has seen last.
 
-The bounds, per rank: TEXT_LIMIT_BYTES of output (the oldest dropped past it, and counted), and
+The bounds, per rank: TEXT_LIMIT_BYTES of output (past it the oldest dropped, and counted), and
 POINTS_LIMIT live-view points (past it the oldest messages are merged into one and every other
 point of it dropped: the curve keeps its shape, its past at a coarser step). Standard library only.
 """
@@ -17,8 +17,10 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
-# what a rank keeps of its newest cell's printed output and displays
+# what a rank keeps of its newest cell's printed output and displays: past the limit, the oldest go
+# until three quarters of it are left (not one chunk at a time: each pass walks the whole record)
 TEXT_LIMIT_BYTES = 1 << 20
+TEXT_KEPT_BYTES = TEXT_LIMIT_BYTES * 3 // 4
 # the live-view points (a metric's step and value) a rank keeps of its newest cell
 POINTS_LIMIT = 250_000
 # live-view messages left as they are when the older ones are merged: a kernel following the cell

@@ -91,7 +91,6 @@ class _Follower:
         self.cells = dict(earlier.journals)
         self.ids = {rank: cell["id"] for rank, cell in earlier.journals.items()}
         self.read_from = dict.fromkeys(earlier.ranks, 0)
-        self.on_data = on_data
         self.sink = OutputSink(
             context.stdout,
             context.stderr,
@@ -139,8 +138,8 @@ class _Follower:
     def _note_dropped(self, rank: int, cell: wire.CellJournal) -> None:
         if self.read_from[rank] == 0 and cell["dropped_bytes"]:
             self.context.note(
-                f"rank {rank}'s first {cell['dropped_bytes']:,} bytes of output were not kept "
-                f"(a detached world's rank keeps the last {wire.TEXT_LIMIT_BYTES >> 20} MiB of a cell's output)"
+                f"rank {rank}'s first {cell['dropped_bytes']:,} bytes of output were not kept (a detached "
+                f"world's rank keeps at most {wire.TEXT_LIMIT_BYTES >> 20} MiB of a cell's output: the newest)"
             )
 
     def _show(self, rank: int, kind: str, payload: Any) -> None:
