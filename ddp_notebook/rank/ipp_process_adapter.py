@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from typing import Any
 
 SETTLE_SLEEP = "time.sleep(0.25)"
@@ -82,7 +83,7 @@ def current_request(shell: Any) -> tuple[str, str]:
     return str(header.get("msg_id", "")), str(header.get("session", ""))
 
 
-def watch_sent(shell: Any, seen: Any) -> None:
+def watch_sent(shell: Any, seen: Callable[[str, dict[str, Any], dict[str, Any]], None]) -> None:
     """Call `seen(msg_type, content, parent_header)` for every message the rank's kernel sends, before
     it goes: its output and displays on IOPub (from whichever thread sends them), its replies.
 

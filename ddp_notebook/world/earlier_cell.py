@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ..cell import xray
 from ..errors import DDPUsageError, name_ranks
 from ..wire import journal as wire
+from .detached import ago
 
 if TYPE_CHECKING:
     from .running import RunningWorld
@@ -47,12 +48,12 @@ class EarlierCell:
         """One line for `%ddp_attach`: what the cell is doing, and how to see it."""
         now = time.time() if now is None else now
         first = _first_line(next(iter(self.journals.values()))["code"])
-        began = f"a cell sent by an earlier kernel ({first!r}) began {_ago(now - self.started)} ago"
+        began = f"a cell sent by an earlier kernel ({first!r}) began {ago(max(0.0, now - self.started))} ago"
         if self.running:
             return f"{began} and still runs on {name_ranks(self.running)}: %ddp_wait shows its output and follows it"
         ended = max(cell["ended"] or 0.0 for cell in self.journals.values())
         how = f"failed on {name_ranks(self.failed)}" if self.failed else "ended"
-        return f"{began} and {how} {_ago(now - ended)} ago: %ddp_wait shows its output and its end"
+        return f"{began} and {how} {ago(max(0.0, now - ended))} ago: %ddp_wait shows its output and its end"
 
 
 def earlier_cell(world: RunningWorld) -> EarlierCell | None:
@@ -97,12 +98,3 @@ def refuse_while_running(world: RunningWorld) -> None:
 def _first_line(code: str) -> str:
     line = next((line.strip() for line in code.splitlines() if line.strip()), "")
     return line if len(line) <= 40 else line[:37] + "..."
-
-
-def _ago(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
