@@ -63,6 +63,35 @@ def test_an_execute_watched_hands_each_future_over_before_its_request_is_sent(wo
         assert seen[index][0] == "status" and {"stream", "execute_result"} <= set(seen[index]), seen[index]
 
 
+def _status(result: object) -> str:
+    """An execute reply's status, as the engine sent it (ipyparallel hands it over as the
+    future's result: a RemoteError, a TaskAborted, or the reply)."""
+    from ipyparallel.error import RemoteError, TaskAborted
+
+    reply = ipp_adapter.message_futures(result)[0].result()
+    return "error" if isinstance(reply, RemoteError) else "aborted" if isinstance(reply, TaskAborted) else "ok"
+
+
+def test_a_cell_queued_behind_a_failing_one_still_runs(world: DDPCluster) -> None:
+    """`execute_watched` marks its requests `stop_on_error: false`: a request that reaches an
+    engine while it is done with an error is run, not aborted. `DirectView.execute`'s own requests
+    are aborted there, which is what made a rank skip the cell after a failed one on ipykernel 6."""
+    client = _client(world)
+    engine = world.ranks[0].engine_id
+    view = client.direct_view([engine])
+    failing = "import time\ntime.sleep(0.5)\nraise ValueError('first')"
+
+    plain = [view.execute(failing, silent=False, block=False), view.execute("'second'", silent=False, block=False)]
+    assert plain[1].wait(timeout=30)
+    assert [_status(r) for r in plain] == ["error", "aborted"]
+
+    watched = [ipp_adapter.execute_watched(view, code, lambda i, f: None) for code in (failing, "'second'")]
+    assert watched[1].wait(timeout=30)
+    assert [_status(r) for r in watched] == ["error", "ok"]
+    second = ipp_adapter.message_futures(watched[1])[0].output.metadata
+    assert second["execute_result"]["data"]["text/plain"] == "'second'"
+
+
 def test_callbacks_run_on_the_io_thread(world: DDPCluster) -> None:
     ran_on: list[int] = []
     done = threading.Event()

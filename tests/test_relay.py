@@ -223,6 +223,19 @@ def test_every_rank_replying_in_time_releases_nothing() -> None:
     assert supervisor.calls == [] and not relay.released and relay.failures() == []
 
 
+def test_a_rank_whose_engine_aborted_the_cell_is_a_failure_not_a_silent_success() -> None:
+    """ipyparallel hands an aborted request's reply over as a TaskAborted: that rank ran nothing."""
+    from ipyparallel.error import TaskAborted
+
+    relay, cell, ranks = _relay(2)
+    ranks.reply(0)
+    ranks.reply(1)
+    cell._children[1].result = lambda: TaskAborted("m1")  # type: ignore[method-assign]
+    assert relay.wait(_sink(), timeout=30, supervisor=FakeSupervisor(ranks)) is Ending.DONE
+    [failure] = relay.failures()
+    assert failure.rank == 1 and failure.ename == "TaskAborted" and "nothing of it ran there" in failure.evalue
+
+
 class CountingStream(io.StringIO):
     """A stream that counts its flushes (a kernel's flush waits on its IO thread)."""
 

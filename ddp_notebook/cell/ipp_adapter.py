@@ -24,25 +24,35 @@ def message_futures(async_result: Any) -> Sequence[Any]:
 
 def execute_watched(view: Any, code: str, watch: Callable[[int, Any], None]) -> Any:
     """`view.execute(code, silent=False, block=False)`, each engine's message future handed to
-    `watch(index, future)` (its index among the view's targets) before its request is sent.
+    `watch(index, future)` (its index among the view's targets) before its request is sent, and
+    each request marked `stop_on_error: false`.
 
     ipyparallel hands each request to its IO thread to send; the futures exist before that, and
-    `send_execute_request`'s `message_future_hook` gives each one to the caller then. A callback
+    `Client._send`'s `message_future_hook` gives each one to the caller then. A callback
     registered there sees every message of the reply, without a trip through the IO thread of its
     own (one wake-up of that thread less per cell).
+
+    `stop_on_error`: an engine kernel whose cell raised aborts, by default, the execute requests
+    that reach it before it is done with the error; on ipykernel 6 that window outlives the
+    reply, so the next cell, sent as soon as the last rank replied, could be skipped on one rank
+    while the others ran it (and waited in its collectives). The notebook's own kernel already
+    stops a notebook at an error; the ranks never need to. `send_execute_request` sets no
+    `stop_on_error`, so the request is built here as it builds it, plus that field.
     """
     from ipyparallel.client.asyncresult import AsyncResult
 
     client = view.client
     idents, targets = client._build_targets(view.targets)
     label = getattr(view, "label", None)  # ipyparallel 9's views label their requests; 8.8's do not
+    content = {"code": code, "silent": False, "user_expressions": {}, "stop_on_error": False}
     futures = [
-        client.send_execute_request(
+        client._send(
             view._socket,
-            code,
-            silent=False,
+            "execute_request",
+            content=content,
             ident=ident,
-            metadata={"label": label} if label is not None else None,
+            metadata={"label": label} if label is not None else {},
+            track_outstanding=True,
             message_future_hook=lambda future, index=index: watch(index, future),
         )
         for index, ident in enumerate(idents)

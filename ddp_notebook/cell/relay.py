@@ -32,6 +32,8 @@ INTERRUPT_GRACE_SECONDS = 5.0
 # after every rank replied, how long to wait for the tail of its output: a healthy rank's idle status
 # always comes, after all of it, but its IOPub thread can lag its reply by seconds on a loaded machine
 OUTPUT_DRAIN_SECONDS = 10.0
+# a rank whose engine aborted the request instead of running it (ipyparallel's abort)
+SKIPPED = "the rank's engine aborted the cell instead of running it: nothing of it ran there; run it again"
 # how often a running cell reads its ranks' memory against their limit (a few small files)
 MEMORY_CHECK_SECONDS = 1.0
 # after a rank died, how long its peers get to fail (a closed socket releases gloo in ~1 s)
@@ -606,6 +608,8 @@ class CellRelay:
         return values
 
     def failures(self) -> list[RankFailure]:
+        from ipyparallel.error import TaskAborted
+
         found = []
         for rank, future in zip(self._ranks, self._futures):
             if not future.done():
@@ -617,6 +621,9 @@ class CellRelay:
                     reply = future.result()
                 except Exception as failure:  # noqa: BLE001  (e.g. the rank's process died)
                     found.append(RankFailure(rank, type(failure).__name__, one_line(failure)))
+                    continue
+                if isinstance(reply, TaskAborted):  # skipped there, not run: never a silent success
+                    found.append(RankFailure(rank, "TaskAborted", SKIPPED))
                     continue
                 content = getattr(reply, "content", None) or (reply.get("content") if isinstance(reply, dict) else None)
                 if not content or content.get("status") != "error":
