@@ -51,6 +51,13 @@ def make_parser() -> argparse.ArgumentParser:
     add("--warmup", type=int, help="untimed cells (roundtrip: 20) or steps (training, logging: 30; frameworks: 20)")
     add("--cells", type=int, default=10, help="roundtrip: timed cells per subject per round (default: 10)")
     add("--steps", type=int, help="training: timed steps per run (default: 500; peers: 100; frameworks: 200)")
+    add(
+        "--data",
+        choices=["tensors", "loader", "helpers"],
+        default="tensors",
+        help="training: batches made up front (tensors, the default), read through a DataLoader over a "
+        "TensorDataset (loader), or so with ddp_notebook's subjects using prepare_loader and prepare_model (helpers)",
+    )
     add("--threads", help="torch threads per rank, or 'default' for each tool's own (default: ddp_notebook's choice)")
     add("--cases", default=",".join(CASES), help=f"failures: which (default: {','.join(CASES)})")
     add("--hang-cap", type=float, default=35.0, help="seconds to wait for a failure report (default: 35)")

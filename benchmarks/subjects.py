@@ -49,7 +49,7 @@ ON_PATH = "if {bench!r} not in sys.path:\n    sys.path.insert(0, {bench!r})\n"
 # {threads}: "torch.set_num_threads(N)\n", or "" for the tool's default
 TRAIN = (
     "import json, sys, torch\n{threads}" + ON_PATH + "import train_workload\n"
-    "result = train_workload.train({steps}, {warmup})\n"
+    "result = train_workload.train({steps}, {warmup}, data={data!r})\n"
     'if rank == 0:\n    print("BENCH_RESULT " + json.dumps(result), flush=True)'
 )
 # a process group by hand, as a raw ipyparallel user makes it (rank, world_size, MASTER_PORT pushed)
@@ -152,6 +152,7 @@ class Subject:
     script: ClassVar[bool] = False  # a script: every cell is a new job
     stateless: ClassVar[bool] = False  # nothing is kept from one cell to the next
     model_idiom: ClassVar[str] = "torch.nn.parallel.DistributedDataParallel({})"
+    helpers: ClassVar[bool] = False  # ddp_notebook's own: run.py training --data helpers uses its helpers
 
     def __init__(self, s: Any) -> None:
         self.s = s
@@ -190,9 +191,14 @@ class Subject:
         self.code = sorted({code for *_, code in found.values()})
         return found
 
+    def data(self) -> str:
+        """How this subject's training reads its batches (train_workload.DATA_KINDS)."""
+        asked = getattr(self.s, "data", "tensors")
+        return "loader" if asked == "helpers" and not self.helpers else asked
+
     def train(self, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
         setting = "" if threads is None else f"torch.set_num_threads({threads})\n"
-        body = TRAIN.format(threads=setting, bench=str(BENCH_DIR), steps=steps, warmup=warmup)
+        body = TRAIN.format(threads=setting, bench=str(BENCH_DIR), steps=steps, warmup=warmup, data=self.data())
         cell = self.cell(body, TRAIN_TIMEOUT, expect=RESULT_LINE.search)
         found = RESULT_LINE.search(cell.text)
         if not found:
@@ -237,6 +243,7 @@ class DDPClusterSubject(InProcess):
     name = "ddp_notebook"
     label = "ddp_notebook `DDPCluster`"
     model_idiom = "ddp_notebook.prepare_model({})"
+    helpers = True
     # read-only, per subject class; force: 8 ranks on 2 cores is more than a world is allowed by default
     world_options: dict[str, Any] = {"force": True}  # noqa: RUF012
 
@@ -520,6 +527,7 @@ class DDPKernelSubject(KernelSubject):
     name = "ddp_kernel"
     label = "ddp_notebook `%%ddp`"
     model_idiom = "ddp_notebook.prepare_model({})"
+    helpers = True
     # --force: as DDPClusterSubject, so 8 ranks on 2 cores are measured instead of refused
     setup = ("%load_ext ddp_notebook", "%ddp_start {ranks} --backend {backend} --force")
     stop = ("%ddp_stop",)
@@ -669,7 +677,7 @@ class TorchrunSubject(Subject):
         return {"ready_s": ready["t"] - began}
 
     def train(self, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
-        self._request({"steps": steps, "warmup": warmup})
+        self._request({"steps": steps, "warmup": warmup, "data": self.data()})
         return self.job.result(TRAIN_TIMEOUT)
 
     def _request(self, payload: dict[str, Any]) -> None:

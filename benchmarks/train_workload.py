@@ -46,15 +46,29 @@ def _device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def _setup(seed: int) -> tuple[Any, torch.device]:
+# how a run reads its batches (run.py training --data): "tensors", batches made up front and indexed;
+# "loader", a DataLoader over a TensorDataset with a DistributedSampler, as a torchrun script reads
+# in-memory data; "helpers", the same data and model through ddp_notebook.prepare_loader and
+# prepare_model, as a %%ddp cell written with the helpers reads it
+DATA_KINDS = ("tensors", "loader", "helpers")
+
+
+def _setup(seed: int, data: str = "tensors") -> tuple[Any, torch.device]:
     """The DDP model, its optimizer and a step function over this rank's synthetic batches."""
     rank, device = dist.get_rank(), _device()
     torch.manual_seed(seed)  # same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
     ).to(device)
-    ddp = _setup.last_model = DistributedDataParallel(model)  # type: ignore[attr-defined]
+    if data == "helpers":
+        import ddp_notebook
+
+        ddp = _setup.last_model = ddp_notebook.prepare_model(model)  # type: ignore[attr-defined]
+    else:
+        ddp = _setup.last_model = DistributedDataParallel(model)  # type: ignore[attr-defined]
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    if data != "tensors":
+        return _loader_step(ddp, optimizer, seed, data, device), device
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     inputs = torch.randn(DISTINCT_BATCHES, BATCH_PER_RANK, IN_FEATURES, generator=generator).to(device)
     targets = torch.randint(0, CLASSES, (DISTINCT_BATCHES, BATCH_PER_RANK), generator=generator).to(device)
@@ -68,6 +82,41 @@ def _setup(seed: int) -> tuple[Any, torch.device]:
         return loss
 
     return step, device
+
+
+def _loader_step(ddp: Any, optimizer: Any, seed: int, data: str, device: torch.device) -> Any:
+    """A step that takes its batch from a loader over one shared in-memory dataset, epoch after epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    generator = torch.Generator().manual_seed(seed)  # the same dataset on every rank; the sampler shards it
+    samples = DISTINCT_BATCHES * BATCH_PER_RANK * dist.get_world_size()
+    inputs = torch.randn(samples, IN_FEATURES, generator=generator)
+    dataset = TensorDataset(inputs, torch.randint(0, CLASSES, (samples,), generator=generator))
+    if data == "helpers":
+        import ddp_notebook
+
+        loader = ddp_notebook.prepare_loader(dataset, batch_size=BATCH_PER_RANK, seed=seed)
+    else:
+        sampler = DistributedSampler(dataset, seed=seed)
+        loader = DataLoader(dataset, batch_size=BATCH_PER_RANK, sampler=sampler)
+    epoch, batches = 0, iter(())
+
+    def step(index: int) -> torch.Tensor:
+        nonlocal epoch, batches
+        try:
+            inputs, targets = next(batches)
+        except StopIteration:
+            if data == "loader":
+                loader.sampler.set_epoch(epoch)  # prepare_loader's loader does this itself
+            epoch, batches = epoch + 1, iter(loader)
+            inputs, targets = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(inputs.to(device)), targets.to(device))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
 
 
 def _sync(device: torch.device) -> None:
@@ -154,11 +203,12 @@ def thread_cost(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, 
     }
 
 
-def train(steps: int, warmup: int, *, seed: int = 0) -> dict[str, Any]:
-    """Run `warmup` then `steps` timed SGD steps of a small DDP MLP; steps/s as rank 0 saw it."""
+def train(steps: int, warmup: int, *, seed: int = 0, data: str = "tensors") -> dict[str, Any]:
+    """Run `warmup` then `steps` timed SGD steps of a small DDP MLP, its batches read as `data`
+    says (DATA_KINDS); steps/s as rank 0 saw it."""
     if not dist.is_initialized():
         raise RuntimeError("train() needs an initialised default process group")
-    step, device = _setup(seed)
+    step, device = _setup(seed, data)
     for index in range(warmup):
         step(index)
     # everyone starts and stops the clock together, so rank 0's time covers all ranks' work
@@ -186,6 +236,7 @@ def train(steps: int, warmup: int, *, seed: int = 0) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         "final_loss": float(loss.detach().cpu()),
+        "data": data,
     }
 
 

@@ -50,7 +50,9 @@ def test_ddp_matches_one_process_on_the_combined_batch(world: DDPCluster) -> Non
         "dataset = torch.utils.data.TensorDataset(x, y)\n"
         "loader = ddp_notebook.prepare_loader(dataset, batch_size=BATCH, shuffle=False)\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=LR)\n"
+        "fetched_as = type(loader.dataset).__name__\n"
     )
+    assert world.pull("fetched_as") == {0: "BatchedTensors", 1: "BatchedTensors"}  # a batch at a time
     # unshuffled shards interleave (rank r gets rows r, r + 2, ...), so batch k of the two
     # ranks together is exactly rows [k * 2B, (k + 1) * 2B): the single process's batch k
     world.execute(

@@ -223,6 +223,8 @@ def prepare_loader(
 
     Shards are disjoint and together cover the dataset (padded to equal length unless
     `drop_last=True`). `batch_size` is per rank: the global batch is batch_size * world_size.
+    A plain TensorDataset is fetched a batch at a time (one indexing per tensor, not one per
+    sample: `rank/batched_fetch.py`); its batches are the ones a DataLoader gives.
     """
     current = context()
     sampler = ResumableSampler(
@@ -236,4 +238,7 @@ def prepare_loader(
     RANK.prepared.samplers.add(sampler)
     if current.device.type == "cuda":
         loader_kwargs.setdefault("pin_memory", True)
-    return EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+    from .batched_fetch import batched
+
+    fetched, loader_kwargs = batched(dataset, loader_kwargs)
+    return EpochDataLoader(fetched, batch_size=batch_size, sampler=sampler, **loader_kwargs)
