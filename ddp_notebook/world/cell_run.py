@@ -70,9 +70,10 @@ def run(cluster: DDPCluster, world: RunningWorld, request: CellRequest, context:
     sync_before_cell(world, context)
     if isinstance(on_data, live_feed.Feed):
         on_data.size_hint = len(targets)  # a large world's feed keeps what its aggregate view draws
-        # before the cell is sent: its first points may arrive at once
-        run_name = f"{trackers.notebook_name()} cell {len(cluster.cell_history) + 1}"
-        cluster.tracking.attach(on_data, request.tracker, run_name, lambda: trackers.world_description(cluster))
+        if request.tracker is not None or cluster.tracking.settings is not None:
+            # before the cell is sent: its first points may arrive at once
+            run_name = f"{trackers.notebook_name()} cell {len(cluster.cell_history) + 1}"
+            cluster.tracking.attach(on_data, request.tracker, run_name, lambda: trackers.world_description(cluster))
     profiled = None
     if request.profile is not None:  # off: nothing is sent, nothing runs on the ranks
         cluster.last_profile = None
