@@ -548,21 +548,12 @@ class CellRelay:
     def _handle(self, item: Relayed, sink: OutputSink, assembler: LineAssembler) -> bool:
         """Deal with one queued message; True when it says every rank replied."""
         match item:
-            case StreamText(rank, stream, text):
-                sink.write(rank, stream, assembler.feed(rank, stream, text))
-            case Display(rank, content, update):
-                self._displays.show(rank, content, update)
-            case ClearOutput(rank):
-                self._displays.clear(rank)
-            case PublishedData(rank, payload):
-                if SNAPSHOT_OWED_KEY in payload or GROUP_BROKEN_KEY in payload:  # ours, read after the cell
-                    payload = {key: value for key, value in payload.items() if key not in _OWN_KEYS}
-                if payload:
-                    sink.data(rank, payload)
             case WentIdle(ranks):
                 self._idle.update(ranks)
             case AllReplied():
                 return True
+            case _:
+                show(item, sink, assembler, self._displays)
         return False
 
     def _survivors_done(self) -> bool:
@@ -640,6 +631,23 @@ class CellRelay:
                 )
             )
         return found
+
+
+def show(item: Relayed, sink: OutputSink, assembler: LineAssembler, displays: RankDisplays) -> None:
+    """One rank's output message in the notebook: a live cell's (`CellRelay`), or one read back
+    from a detached rank's journal (`world/following.py`)."""
+    match item:
+        case StreamText(rank, stream, text):
+            sink.write(rank, stream, assembler.feed(rank, stream, text))
+        case Display(rank, content, update):
+            displays.show(rank, content, update)
+        case ClearOutput(rank):
+            displays.clear(rank)
+        case PublishedData(rank, payload):
+            if SNAPSHOT_OWED_KEY in payload or GROUP_BROKEN_KEY in payload:  # ours, read after the cell
+                payload = {key: value for key, value in payload.items() if key not in _OWN_KEYS}
+            if payload:
+                sink.data(rank, payload)
 
 
 def _traceback_lines(error: Any) -> list[str]:

@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING, Any
 from ..cell import large_output, xray
 from ..cell.outcome import CellOutcome, Ending
 from ..cell.output import LineAssembler
-from ..cell.relay import DEATH_GRACE_SECONDS, OutputSink, RankDisplays
+from ..cell.relay import (
+    DEATH_GRACE_SECONDS,
+    ClearOutput,
+    Display,
+    OutputSink,
+    PublishedData,
+    RankDisplays,
+    Relayed,
+    StreamText,
+    show,
+)
 from ..errors import CellStillRunning, DDPUsageError, RankFailure, name_ranks
 from ..live import feed as live_feed
 from ..platform.processes import DEATH_CHECK_SECONDS
@@ -143,15 +153,18 @@ class _Follower:
             )
 
     def _show(self, rank: int, kind: str, payload: Any) -> None:
+        """A journal entry shown as the live cell's relay shows the message it records."""
         if kind == "stream":
-            name = payload["name"]
-            self.sink.write(rank, name, self.lines.feed(rank, name, payload["text"]))
+            item: Relayed = StreamText(rank, payload["name"], payload["text"])
         elif kind in ("display", "update"):
-            self.displays.show(rank, payload, update=kind == "update")
+            item = Display(rank, payload, kind == "update")
         elif kind == "clear":
-            self.displays.clear(rank)
+            item = ClearOutput(rank)
         elif kind == "data":
-            self.sink.data(rank, {message_key(payload["seq"]): payload})
+            item = PublishedData(rank, {message_key(payload["seq"]): payload})
+        else:
+            return
+        show(item, self.sink, self.lines, self.displays)
 
     def _check_deaths(self) -> None:
         now = time.monotonic()
