@@ -77,6 +77,19 @@ def test_a_cell_that_does_not_parse_is_refused_before_anything_else_is_read() ->
     assert build("%time x = 1\n!true\nawait something()").code.startswith("%time")
 
 
+def test_a_cell_run_again_is_not_compiled_again_and_a_failing_one_always_is() -> None:
+    from ddp_notebook.cell import syntax
+
+    code = "y = [i for i in range(3)]  # run again"
+    build(code)
+    hits = syntax._compiles.cache_info().hits
+    build(code)
+    assert syntax._compiles.cache_info().hits == hits + 1
+    for _ in range(2):  # not remembered as good
+        with pytest.raises(CellSyntaxError):
+            build("break  # outside a loop: the compiler's error, not the parser's")
+
+
 def test_the_time_limit_is_the_worlds_unless_given_and_must_be_seconds() -> None:
     assert build(default_timeout=30.0).timeout == 30.0
     assert build(default_timeout=30.0, timeout=2).timeout == 2

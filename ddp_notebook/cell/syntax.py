@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import functools
 import traceback
+from typing import Any
 
 from ..errors import DDPError
 
@@ -29,10 +31,23 @@ def check_syntax(code: str) -> None:
     The ranks run IPython, so magics and shell escapes are translated first, as they
     would be there; top-level `await` is allowed, as in a notebook.
     """
-    from IPython.core.inputtransformer2 import TransformerManager
-
     try:
-        source = TransformerManager().transform_cell(code)
-        compile(source, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+        _compiles(code)
     except SyntaxError as failure:
         raise CellSyntaxError(failure) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _compiles(code: str) -> None:
+    """Translate and compile `code`, raising its SyntaxError; a cell that compiled once is not
+    compiled again (a notebook runs the same cells again and again; failures are not cached)."""
+    source = _transformer().transform_cell(code)
+    compile(source, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+
+
+@functools.cache
+def _transformer() -> Any:
+    """IPython's input transformer, made once (it keeps no state between cells)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager()

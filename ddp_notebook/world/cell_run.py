@@ -223,9 +223,11 @@ def log_params(
 def sync_before_cell(world: RunningWorld, context: RunContext) -> None:
     """Ranks working in a sync folder (the notebook's folder does not exist on their host) get
     the notebook's changed modules before the cell, so that they run, and reload, the code on disk."""
-    here = socket.gethostname()
     syncer = context.syncer
-    if syncer is None or all(info.host == here for info in world.ranks.values()):
+    if syncer is None:
+        return
+    here = socket.gethostname()
+    if all(info.host == here for info in world.ranks.values()):
         return  # local ranks work in the notebook's folder
     try:
         report = syncer.before_cell(world.client, world.engines())
