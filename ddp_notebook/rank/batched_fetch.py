@@ -1,8 +1,9 @@
 """Runs on ranks: a TensorDataset's batch fetched with one indexing per tensor, not one per sample.
 
 A DataLoader fetches a batch by calling `dataset[i]` for each of its samples and stacking the rows
-(`default_collate`); for tensors already in memory that is most of what the loader costs: 0.28 ms of
-a batch of 64 rows of 64 floats on this machine, 5% of a small model's training step. torch's
+(`default_collate`); for tensors already in memory that is most of what the loader costs: about
+0.25 ms for a batch of 64 rows of 64 floats on this machine, 8% of a small model's 2.9 ms training
+step (docs/performance.md, "What the helpers add"). torch's
 DataLoader asks a dataset with `__getitems__` for the whole batch at once; `prepare_loader` hands a
 plain TensorDataset to it as `BatchedTensors`, whose `__getitems__` indexes each tensor once. The
 batches are the same, value for value and in type (a list, as `default_collate` makes of tuples).
