@@ -75,21 +75,38 @@ def _status(result: object) -> str:
 def test_a_cell_queued_behind_a_failing_one_still_runs(world: DDPCluster) -> None:
     """`execute_watched` marks its requests `stop_on_error: false`: a request that reaches an
     engine while it is done with an error is run, not aborted. `DirectView.execute`'s own requests
-    are aborted there, which is what made a rank skip the cell after a failed one on ipykernel 6."""
+    are aborted there, which is what made a rank skip the cell after a failed one on ipykernel 6.
+
+    The watched pair goes first: a failed `DirectView.execute` opens an abort window on the engine
+    that can outlive the replies (ipykernel 6), and would abort whatever is sent next, watched or
+    not. The test waits that window out at its end, so that no later test meets it."""
     client = _client(world)
     engine = world.ranks[0].engine_id
     view = client.direct_view([engine])
     failing = "import time\ntime.sleep(0.5)\nraise ValueError('first')"
 
-    plain = [view.execute(failing, silent=False, block=False), view.execute("'second'", silent=False, block=False)]
-    assert plain[1].wait(timeout=30)
-    assert [_status(r) for r in plain] == ["error", "aborted"]
-
     watched = [ipp_adapter.execute_watched(view, code, lambda i, f: None) for code in (failing, "'second'")]
     assert watched[1].wait(timeout=30)
     assert [_status(r) for r in watched] == ["error", "ok"]
+    watched[1].wait_for_output(timeout=30)  # the result comes on iopub, maybe after the reply
     second = ipp_adapter.message_futures(watched[1])[0].output.metadata
     assert second["execute_result"]["data"]["text/plain"] == "'second'"
+
+    plain = [view.execute(failing, silent=False, block=False), view.execute("'second'", silent=False, block=False)]
+    assert plain[1].wait(timeout=30)
+    assert [_status(r) for r in plain] == ["error", "aborted"]
+    _wait_until_the_engine_stops_aborting(view)
+
+
+def _wait_until_the_engine_stops_aborting(view: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        probe = ipp_adapter.execute_watched(view, "'probe'", lambda i, f: None)
+        assert probe.wait(timeout=30)
+        if _status(probe) == "ok":
+            return
+        assert time.monotonic() < deadline, "the engine kept aborting execute requests after a failed cell"
+        time.sleep(0.05)
 
 
 def test_callbacks_run_on_the_io_thread(world: DDPCluster) -> None:
