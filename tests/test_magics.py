@@ -290,6 +290,18 @@ def test_the_old_spellings_read_as_the_new_ones_and_the_help_shows_only_the_new(
     assert (cell.profile, cell.timeout) == ("3", 9.0)
 
 
+def test_an_empty_line_gives_the_defaults_each_time_as_a_fresh_namespace() -> None:
+    from ddp_notebook.magics import magic, parse_line
+
+    for name in ("ddp", "ddp_start", "ddp_jobs"):
+        first, second = parse_line(magic(name), ""), parse_line(magic(name), "  ")
+        assert vars(first) == vars(second) == vars(magic(name).parser.parse_args([]))
+        assert first is not second
+        first.changed = True  # what one cell changes in its arguments is not the next one's
+        assert not hasattr(parse_line(magic(name), ""), "changed")
+    assert parse_line(magic("ddp"), "").timeout is None and parse_line(magic("ddp"), "--timeout 5").timeout == 5.0
+
+
 def test_ddp_start_mirrors_world_config_build() -> None:
     """Each option of %ddp_start is a keyword of WorldConfig.build (or a launcher shortcut of it), with its
     default; what only Python can give (an environment, a target to attach to, ...) is the rest."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddp_notebook.cell.outcome import Ending
 from ddp_notebook.cell.output import LineAssembler
-from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, AllReplied, CellRelay, OutputSink, PublishedData
+from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, CellRelay, OutputSink, PublishedData
 from ddp_notebook.live.xray_readings import RankCollectives
 from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 
@@ -60,7 +60,7 @@ class Ranks:
             child.output.metadata["status"] = "ok"
         self.relay._went_idle(rank)
         if self.cell.ready():
-            self.relay._queue.put(AllReplied())
+            self.relay._all_replied()
 
 
 @dataclass
@@ -163,6 +163,51 @@ def test_survivors_that_went_idle_before_a_death_was_found_end_the_cell_at_once(
     ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
     assert ending is Ending.DONE and set(relay.dead) == {2}
     assert time.monotonic() - began < DEATH_GRACE_SECONDS / 2
+
+
+def _queued(relay: CellRelay) -> list[str]:
+    items = []
+    while not relay._queue.empty():
+        items.append(type(relay._queue.get_nowait()).__name__)
+    return items
+
+
+def test_the_waiting_thread_is_woken_once_when_every_rank_replied_and_went_idle() -> None:
+    """Idles before the replies (as iopub often outruns the replies) or after: nothing is queued
+    until both are in, then both at once, so a trivial cell wakes the waiting thread once."""
+    for idles_first in (True, False):
+        relay, cell, _ = _relay(2)
+        for rank in (0, 1):
+            cell._children[rank].finished = True
+            cell._children[rank].output.metadata["status"] = "ok"
+            if idles_first:
+                relay._went_idle(rank)
+        if idles_first:
+            assert _queued(relay) == []
+        relay._all_replied()
+        if not idles_first:
+            assert _queued(relay) == []
+            relay._went_idle(0)
+            assert _queued(relay) == []
+            relay._went_idle(1)
+        assert _queued(relay) == ["AllReplied", "WentIdle"]
+
+
+def test_a_cell_whose_idle_never_comes_ends_once_its_output_had_time_to_drain(monkeypatch: Any) -> None:
+    """The waiting thread sees the replies itself: a rank's lost idle costs the drain time, not a hang."""
+    from ddp_notebook.cell import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "OUTPUT_DRAIN_SECONDS", 0.3)
+    relay, cell, _ = _relay(2)
+    for rank in (0, 1):
+        cell._children[rank].finished = True
+        cell._children[rank].output.metadata["status"] = "ok"
+    relay._went_idle(0)
+    relay._all_replied()  # rank 1's idle never comes
+    began = time.monotonic()
+    ending = relay.wait(_sink(), timeout=30, supervisor=FakeSupervisor(Ranks(relay, cell)))
+    assert ending is Ending.DONE and relay.failures() == []
+    assert 0.3 <= time.monotonic() - began < 5
 
 
 def test_a_failed_cell_that_leaves_a_rank_running_ends_as_a_failure_not_an_interrupt() -> None:

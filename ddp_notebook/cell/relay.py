@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import queue
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -291,11 +292,14 @@ class CellRelay:
     def __init__(self, client: Any, ranks: tuple[int, ...]) -> None:
         self._client = client
         self._ranks = ranks
-        self._queue: queue.Queue[Relayed] = queue.Queue()
+        # C-implemented: a put on the IO thread and the waiting thread's wake-up take no Python lock
+        self._queue: queue.SimpleQueue[Relayed] = queue.SimpleQueue()
         self._async_result: Any = None
         self._futures: list[Any] = []  # the cell's message future on each rank, in `ranks` order
         self._idle: set[int] = set()  # ranks gone idle, as the waiting thread was told
         self._idle_seen: set[int] = set()  # the same, on the IO thread (which alone touches it)
+        self._replied_seen = False  # every rank replied, as the IO thread saw it
+        self._done_lock = threading.Lock()  # ipyparallel may run a done callback on the caller's thread
         self.dead: dict[int, Death] = {}
         self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
@@ -318,15 +322,31 @@ class CellRelay:
         """Wait for `async_result`, the cell sent with `watch` on each of its message futures."""
         self._async_result = async_result
         self._futures = list(message_futures(async_result))  # asked once: every later question reads these
-        async_result.add_done_callback(lambda _: self._queue.put(AllReplied()))
+        async_result.add_done_callback(lambda _: self._all_replied())
+
+    def _all_replied(self) -> None:
+        """On the IO thread: every rank replied. Told with the ranks' idles, once both are in."""
+        with self._done_lock:
+            self._replied_seen = True
+            self._tell_if_done()
 
     def _went_idle(self, rank: int) -> None:
         """On the IO thread: `rank` is idle, all its output sent. The waiting thread is woken once,
-        when the last rank is (a wake-up per rank cost the trivial cell a tenth of a millisecond),
-        or at each one while a rank is dead (the survivors' idles end the cell then). Queued
-        after every message of theirs, as each rank's own idle would be."""
-        self._idle_seen.add(rank)
-        if len(self._idle_seen) == len(self._ranks) or self.dead:
+        when every rank replied and went idle, whichever came last (a wake-up per rank, or one for
+        the replies and one for the idles, each cost a trivial cell tens of microseconds of a core
+        the IO thread needs), or at each idle while a rank is dead (the survivors' idles end the
+        cell then). Queued after every message of theirs, as each rank's own idle would be. A
+        rank whose idle never comes: the waiting thread sees the replies itself (`_step`)."""
+        with self._done_lock:
+            self._idle_seen.add(rank)
+            if self.dead:
+                self._queue.put(WentIdle(tuple(self._idle_seen)))
+            else:
+                self._tell_if_done()
+
+    def _tell_if_done(self) -> None:
+        if self._replied_seen and len(self._idle_seen) == len(self._ranks):
+            self._queue.put(AllReplied())
             self._queue.put(WentIdle(tuple(self._idle_seen)))
 
     def _tell_idle_so_far(self) -> None:
@@ -399,6 +419,8 @@ class CellRelay:
         now = time.monotonic()
         if not self.released:
             self._maybe_release(clock, supervisor, now)
+        if clock.replied_at is None and self._futures and all(future.done() for future in self._futures):
+            clock.replied_at = now  # every rank replied, though some rank's idle has not come (yet)
         if clock.replied_at is not None and (
             self._idle >= set(self._ranks) or now - clock.replied_at > OUTPUT_DRAIN_SECONDS
         ):
