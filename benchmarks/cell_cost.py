@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from harness import exit_on_sigterm, machine_info
+from harness import exit_on_sigterm, machine_info, machine_line
 from subjects import SETUP_TIMEOUT, Kernel
 
 RAW_VIEW = (
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exit_on_sigterm()
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     kernel = Kernel(sys.executable, dict(os.environ))
     try:
         for code in ("%load_ext ddp_notebook", f"%ddp_start {args.ranks}", RAW_VIEW):

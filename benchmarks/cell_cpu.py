@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from harness import exit_on_sigterm, machine_info
+from harness import exit_on_sigterm, machine_info, machine_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exit_on_sigterm()
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     from IPython.testing.globalipapp import start_ipython
 
     shell = start_ipython()

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS, exit_on_sigterm, fmt, machine_info, print_table, write_json
+from harness import RESULTS, exit_on_sigterm, fmt, machine_info, machine_line, print_table, write_json
 from subjects import SETUP_TIMEOUT, Cell, Kernel
 
 CASES = ("raise_first", "raise_last", "hang", "interrupt", "mismatch", "death_middle", "death_last", "resume")
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks takes sizes of 2 or more, --repeats 1 or more")
     exit_on_sigterm()
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {c: [] for c in cases} for n in sizes}
     with tempfile.TemporaryDirectory(prefix="failures-by-size-") as scratch:
         for n in sizes:

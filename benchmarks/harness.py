@@ -27,6 +27,11 @@ LEAK_GRACE = 5.0  # a process that exits within this long after its stop is slow
 VERSIONS = ("ddp_notebook", "ipyparallel", "torch", "pyzmq", "jupyter_client", "ipykernel", "nbdistributed")
 VERSIONS += ("accelerate",)
 T = TypeVar("T")
+# how a training run reads its batches (run.py training --data; train_workload.py): "tensors",
+# batches made up front and indexed; "loader", a DataLoader over a TensorDataset with a
+# DistributedSampler, as a torchrun script reads in-memory data; "helpers", the same data and model
+# through ddp_notebook.prepare_loader and prepare_model, as a %%ddp cell written with the helpers reads it
+DATA_KINDS = ("tensors", "loader", "helpers")
 
 
 class Unsupported(Exception):
@@ -167,6 +172,11 @@ def warm_file_cache() -> None:
 
 
 # ---------------------------------------------------------------- facts and output
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """What a benchmark prints first: the machine, its load and the versions measured (`machine_info`)."""
+    return f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}"
 
 
 def machine_info() -> dict[str, Any]:

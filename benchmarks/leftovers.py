@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import psutil
-from harness import exit_on_sigterm, machine_info
+from harness import exit_on_sigterm, machine_info, machine_line
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.test_kernel; ddp_notebook as installed
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exit_on_sigterm()
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     import ddp_notebook
 
     print(f"   ddp_notebook from {Path(ddp_notebook.__file__).parent}")

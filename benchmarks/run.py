@@ -20,7 +20,7 @@ from pathlib import Path
 
 from framework_scenario import NAMES as FRAMEWORK_NAMES
 from framework_scenario import Frameworks
-from harness import RESULTS, exit_on_sigterm, machine_info, warm_file_cache, write_json
+from harness import DATA_KINDS, RESULTS, exit_on_sigterm, machine_info, machine_line, warm_file_cache, write_json
 from scenarios import SCENARIOS, Run, Scenario, drive
 from subjects import SUBJECTS, world
 
@@ -53,7 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, help="training: timed steps per run (default: 500; peers: 100; frameworks: 200)")
     add(
         "--data",
-        choices=["tensors", "loader", "helpers"],
+        choices=DATA_KINDS,
         default="tensors",
         help="training: batches made up front (tensors, the default), read through a DataLoader over a "
         "TensorDataset (loader), or so with ddp_notebook's subjects using prepare_loader and prepare_model (helpers)",
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.scenario == "peers"
     names = list(SCENARIOS) if args.scenario in ("all", "peers") else [args.scenario]
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     print(f"   ddp_notebook from {info['ddp_notebook_path']} ({info['ddp_notebook_commit']})")
     warm_file_cache()
     status, reports = 0, {}

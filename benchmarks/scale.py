@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from harness import exit_on_sigterm, machine_info, print_table, write_json
+from harness import exit_on_sigterm, machine_info, machine_line, print_table, write_json
 from subjects import SETUP_TIMEOUT, Kernel
 
 SIZES = (2, 8, 32, 128, 256)
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(size) for size in args.sizes.split(",")]
     exit_on_sigterm()
     info = machine_info()
-    print(f"== {info['usable_cpus']} CPUs ({info['cpu']}), load {info['load_average']}; {info['versions']}")
+    print(machine_line(info))
     print("== SIMULATED ranks (torch's fake process group): the control plane's cost, not a real world's")
     rows: list[dict[str, Any]] = []
     status = 0

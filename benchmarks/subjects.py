@@ -192,7 +192,7 @@ class Subject:
         return found
 
     def data(self) -> str:
-        """How this subject's training reads its batches (train_workload.DATA_KINDS)."""
+        """How this subject's training reads its batches (harness.DATA_KINDS)."""
         asked = getattr(self.s, "data", "tensors")
         return "loader" if asked == "helpers" and not self.helpers else asked
 

@@ -46,13 +46,6 @@ def _device() -> torch.device:
     return torch.device("cuda", index)
 
 
-# how a run reads its batches (run.py training --data): "tensors", batches made up front and indexed;
-# "loader", a DataLoader over a TensorDataset with a DistributedSampler, as a torchrun script reads
-# in-memory data; "helpers", the same data and model through ddp_notebook.prepare_loader and
-# prepare_model, as a %%ddp cell written with the helpers reads it
-DATA_KINDS = ("tensors", "loader", "helpers")
-
-
 def _setup(seed: int, data: str = "tensors") -> tuple[Any, torch.device]:
     """The DDP model, its optimizer and a step function over this rank's synthetic batches."""
     rank, device = dist.get_rank(), _device()
@@ -205,7 +198,7 @@ def thread_cost(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, 
 
 def train(steps: int, warmup: int, *, seed: int = 0, data: str = "tensors") -> dict[str, Any]:
     """Run `warmup` then `steps` timed SGD steps of a small DDP MLP, its batches read as `data`
-    says (DATA_KINDS); steps/s as rank 0 saw it."""
+    says (harness.DATA_KINDS); steps/s as rank 0 saw it."""
     if not dist.is_initialized():
         raise RuntimeError("train() needs an initialised default process group")
     step, device = _setup(seed, data)
