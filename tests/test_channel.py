@@ -522,7 +522,10 @@ def test_the_relay_listens_to_each_rank_before_its_request_is_sent(clock: Clock)
     done[0](None)
     assert relay._queue.empty(), "the waiting thread is woken once every rank went idle"
     done[1](None)
-    assert set(relay._queue.get_nowait().ranks) == {3, 5}
+    assert relay._queue.empty(), "... and replied"
+    relay._all_replied()
+    replied, idle = relay._queue.get_nowait(), relay._queue.get_nowait()
+    assert type(replied).__name__ == "AllReplied" and set(idle.ranks) == {3, 5}
 
 
 def test_a_failing_view_is_dropped_and_the_data_kept(clock: Clock) -> None:
