@@ -210,6 +210,35 @@ def test_a_cell_whose_idle_never_comes_ends_once_its_output_had_time_to_drain(mo
     assert 0.3 <= time.monotonic() - began < 5
 
 
+class StopsOnInterrupt(FakeSupervisor):
+    """An interrupt makes every rank leave the cell raising KeyboardInterrupt, as real ranks do."""
+
+    def interrupt(self, ranks: tuple[int, ...]) -> None:
+        super().interrupt(ranks)
+        for rank in ranks:
+            self.ranks.reply(rank, "KeyboardInterrupt")
+
+
+def test_an_interrupt_the_main_thread_sees_between_statements_stops_the_cell_and_never_escapes() -> None:
+    """`_thread.interrupt_main` (a Windows kernel's stop button; no signal interrupts the queue's
+    wait) is raised at the next jump of the wait's loop: inside its try, at every turn."""
+    import _thread
+    import threading
+
+    for delay in (0.05, 0.12, 0.2):
+        relay, _, ranks = _relay(2)
+        supervisor = StopsOnInterrupt(ranks)
+        timer = threading.Timer(delay, _thread.interrupt_main)
+        began = time.monotonic()
+        timer.start()
+        try:
+            ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
+        finally:
+            timer.cancel()
+        assert ending is Ending.INTERRUPTED and supervisor.calls[0] == ("interrupt", (0, 1))
+        assert time.monotonic() - began < 5
+
+
 def test_a_failed_cell_that_leaves_a_rank_running_ends_as_a_failure_not_an_interrupt() -> None:
     relay, _, ranks = _relay(3)
     supervisor = StuckElsewhere(ranks)

@@ -387,17 +387,8 @@ class CellRelay:
         assembler = LineAssembler()
         while True:
             try:
-                if self._step(clock, supervisor):
-                    break
-                self._watch_memory(clock, supervisor, sink)
-                self._watch_collectives(clock, supervisor, sink)
-                self._draw_progress_lines(clock, sink, assembler)
-                sink.tick()
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                self._handle_all(item, sink, assembler, clock)
+                self._relay_until_done(clock, supervisor, sink, assembler)
+                break
             except KeyboardInterrupt:
                 if clock.ending is Ending.INTERRUPTED and clock.stop_at is not None:
                     break  # a second interrupt: stop waiting now
@@ -413,6 +404,24 @@ class CellRelay:
             # death checks: one more, so it is named dead rather than healed around
             self.dead = supervisor.find_dead(self._ranks)
         return clock.ending
+
+    def _relay_until_done(
+        self, clock: _WaitClock, supervisor: CellSupervisor, sink: OutputSink, assembler: LineAssembler
+    ) -> None:
+        """The wait's loop, called inside `wait`'s try: its every turn, the jump back included, is
+        inside it. An interrupt the main thread only sees between two statements (not a real
+        signal: `_thread.interrupt_main`, as a Windows kernel and the tests stop a cell) is raised
+        at such a jump once the queue's wait returned, and must land in that try, not past it."""
+        while not self._step(clock, supervisor):
+            self._watch_memory(clock, supervisor, sink)
+            self._watch_collectives(clock, supervisor, sink)
+            self._draw_progress_lines(clock, sink, assembler)
+            sink.tick()
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self._handle_all(item, sink, assembler, clock)
 
     def _step(self, clock: _WaitClock, supervisor: CellSupervisor) -> bool:
         """One turn of the wait's checks; True when the wait is over."""
