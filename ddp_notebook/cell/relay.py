@@ -104,12 +104,7 @@ class WentIdle:
     ranks: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class AllReplied:
-    """Every rank replied to the cell."""
-
-
-Relayed = StreamText | Display | ClearOutput | PublishedData | WentIdle | AllReplied
+Relayed = StreamText | Display | ClearOutput | PublishedData | WentIdle
 
 
 class CellSupervisor(Protocol):
@@ -346,8 +341,7 @@ class CellRelay:
 
     def _tell_if_done(self) -> None:
         if self._replied_seen and len(self._idle_seen) == len(self._ranks):
-            self._queue.put(AllReplied())
-            self._queue.put(WentIdle(tuple(self._idle_seen)))
+            self._queue.put(WentIdle(tuple(self._idle_seen)))  # the waiting thread reads the replies itself
 
     def _tell_idle_so_far(self) -> None:
         """A rank was found dead: the survivors that went idle before (their wake-up waited for
@@ -421,7 +415,7 @@ class CellRelay:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            self._handle_all(item, sink, assembler, clock)
+            self._handle_all(item, sink, assembler)
 
     def _step(self, clock: _WaitClock, supervisor: CellSupervisor) -> bool:
         """One turn of the wait's checks; True when the wait is over."""
@@ -429,7 +423,7 @@ class CellRelay:
         if not self.released:
             self._maybe_release(clock, supervisor, now)
         if clock.replied_at is None and self._futures and all(future.done() for future in self._futures):
-            clock.replied_at = now  # every rank replied, though some rank's idle has not come (yet)
+            clock.replied_at = now  # every rank replied (its idle may still be on its way)
         if clock.replied_at is not None and (
             self._idle >= set(self._ranks) or now - clock.replied_at > OUTPUT_DRAIN_SECONDS
         ):
@@ -564,28 +558,23 @@ class CellRelay:
         clock.stop_at = now + INTERRUPT_GRACE_SECONDS
         clock.release_at = now + RELEASE_AFTER_SECONDS
 
-    def _handle_all(self, item: Relayed, sink: OutputSink, assembler: LineAssembler, clock: _WaitClock) -> None:
+    def _handle_all(self, item: Relayed, sink: OutputSink, assembler: LineAssembler) -> None:
         # drain whatever else is queued before writing, so output goes out in batches
         while True:
-            replied = self._handle(item, sink, assembler)
-            if replied:
-                clock.replied_at = time.monotonic()
+            self._handle(item, sink, assembler)
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
         sink.flush()
 
-    def _handle(self, item: Relayed, sink: OutputSink, assembler: LineAssembler) -> bool:
-        """Deal with one queued message; True when it says every rank replied."""
+    def _handle(self, item: Relayed, sink: OutputSink, assembler: LineAssembler) -> None:
+        """Deal with one queued message."""
         match item:
             case WentIdle(ranks):
                 self._idle.update(ranks)
-            case AllReplied():
-                return True
             case _:
                 show(item, sink, assembler, self._displays)
-        return False
 
     def _survivors_done(self) -> bool:
         children = zip(self._ranks, self._futures)
