@@ -165,6 +165,13 @@ def test_survivors_that_went_idle_before_a_death_was_found_end_the_cell_at_once(
     assert time.monotonic() - began < DEATH_GRACE_SECONDS / 2
 
 
+def _replied_ok(cell: FakeCell) -> None:
+    """Every rank's reply is in, each a success; what the IO thread saw is the test's to say."""
+    for child in cell._children:
+        child.finished = True
+        child.output.metadata["status"] = "ok"
+
+
 def _queued(relay: CellRelay) -> list[str]:
     items = []
     while not relay._queue.empty():
@@ -178,11 +185,10 @@ def test_the_waiting_thread_is_woken_once_when_every_rank_replied_and_went_idle(
     cell wakes the waiting thread once."""
     for idles_first in (True, False):
         relay, cell, _ = _relay(2)
-        for rank in (0, 1):
-            cell._children[rank].finished = True
-            cell._children[rank].output.metadata["status"] = "ok"
-            if idles_first:
-                relay._went_idle(rank)
+        _replied_ok(cell)
+        if idles_first:
+            relay._went_idle(0)
+            relay._went_idle(1)
         if idles_first:
             assert _queued(relay) == []
         relay._all_replied()
@@ -200,9 +206,7 @@ def test_a_cell_whose_idle_never_comes_ends_once_its_output_had_time_to_drain(mo
 
     monkeypatch.setattr(relay_module, "OUTPUT_DRAIN_SECONDS", 0.3)
     relay, cell, _ = _relay(2)
-    for rank in (0, 1):
-        cell._children[rank].finished = True
-        cell._children[rank].output.metadata["status"] = "ok"
+    _replied_ok(cell)
     relay._went_idle(0)
     relay._all_replied()  # rank 1's idle never comes
     began = time.monotonic()

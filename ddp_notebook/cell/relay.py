@@ -422,7 +422,7 @@ class CellRelay:
         now = time.monotonic()
         if not self.released:
             self._maybe_release(clock, supervisor, now)
-        if clock.replied_at is None and self._futures and all(future.done() for future in self._futures):
+        if clock.replied_at is None and self._futures and not self.unfinished():
             clock.replied_at = now  # every rank replied (its idle may still be on its way)
         if clock.replied_at is not None and (
             self._idle >= set(self._ranks) or now - clock.replied_at > OUTPUT_DRAIN_SECONDS
