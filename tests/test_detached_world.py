@@ -88,6 +88,10 @@ def start_and_kill(folder: Path, start: str, training: Path | None = None) -> tu
         out, error = kernel.run(
             "%%ddp --setup\nkept = rank + 40\nmodel = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))\n"
             "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+            # DDP's first backward all-reduces its bucket in the parameters' order, every later one in
+            # the order the gradients came: on 3+ ranks that sums in another order (other bits), so both
+            # runs TRAIN compares start past that first backward (no step: the weights stay)
+            "model(torch.zeros(1, 2)).sum().backward()\nopt.zero_grad()\n"
             "start_state = {name: value.clone() for name, value in model.state_dict().items()}\n"
             "step = 0\nddp_notebook.track(step=step)"
         )
