@@ -85,6 +85,37 @@ def test_a_ddp_model_unhooked_lets_a_new_reducer_take_over(world: DDPCluster) ->
     assert {rank: g.tolist() for rank, g in world.pull("taken_over").items()} == {0: [[1.5, 1.5]], 1: [[1.5, 1.5]]}
 
 
+def test_a_ddp_models_bucket_layout_is_read_and_given_to_a_fresh_reducer(world: DDPCluster) -> None:
+    # a comeback gives the fresh reducers the survivors' layout (on 3+ ranks another one sums in
+    # another order); a reducer given one reads it back before DDP's own logging data shows it
+    world.execute(
+        "from ddp_notebook.rank import torch_adapter\n"
+        "two = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))\n"
+        "def layouts(model, steps):\n"
+        "    seen = [torch_adapter.ddp_bucket_layout(model)]\n"
+        "    for _ in range(steps):\n"
+        "        model(torch.ones(1, 2)).sum().backward()\n"
+        "        seen.append(torch_adapter.ddp_bucket_layout(model))\n"
+        "    torch_adapter.drop_ddp_hooks(model)\n"
+        "    return seen\n"
+        "read = layouts(torch.nn.parallel.DistributedDataParallel(two), 4)\n"
+        "kept = layouts(torch_adapter.fresh_ddp(two, read[-1]), 4)\n"
+        "initial = layouts(torch_adapter.fresh_ddp(two, None), 1)\n"
+        "split = torch_adapter.fresh_ddp(two, [[3, 2], [1, 0]])\n"
+        "split_sizes = split._get_ddp_logging_data()['bucket_sizes']\n"
+        "split_read = layouts(split, 0)"
+    )
+    ready_order = [[3, 2, 1, 0]]  # each Linear's bias, then its weight, the last Linear first
+    for rank in range(2):
+        read = world.pull("read")[rank]
+        assert read[0] is None and read[-1] == ready_order, read
+        assert world.pull("kept")[rank] == [ready_order] * 5, "given: read back at once, and kept"
+        assert world.pull("initial")[rank] == [None, None], "none given: DDP's initial layout, nothing to read"
+        # two buckets as given (bytes of float32: bias 1 + weight 3, then bias 3 + weight 6), read back
+        assert sorted(int(size) for size in world.pull("split_sizes")[rank].split(",")) == [16, 36]
+        assert world.pull("split_read")[rank] == [[[3, 2], [1, 0]]]
+
+
 def test_a_users_ddp_model_gives_back_the_options_it_was_made_with(world: DDPCluster) -> None:
     # a model the user wrapped (tracked: wrapped again after a comeback) keeps its non-default options
     world.execute(

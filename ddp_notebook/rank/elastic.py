@@ -328,8 +328,7 @@ def rewrap_models(layouts: dict[str, list[list[int]] | None]) -> None:
         wrapper = namespace[name]
         kwargs = getattr(wrapper, "_ddp_notebook_kwargs", {})
         torch_adapter.drop_ddp_hooks(wrapper)
-        with torch_adapter.ddp_buckets(layout):
-            fresh = torch.nn.parallel.DistributedDataParallel(wrapper.module, **kwargs)
+        fresh = torch_adapter.fresh_ddp(wrapper.module, layout, **kwargs)
         wrapper.__dict__.update(fresh.__dict__)
 
 

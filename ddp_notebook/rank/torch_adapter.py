@@ -114,8 +114,21 @@ def ddp_bucket_layout(wrapper: torch.nn.parallel.DistributedDataParallel) -> lis
     them from the order gradients became ready (None before its first rebuild: the initial layout)."""
     text = wrapper._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
     if not isinstance(text, str) or not text.strip():
-        return None
+        # DDP logs its rebuilt layout one forward after rebuilding, at its third: a reducer
+        # `fresh_ddp` made with a layout has that one until then (its rebuild gives the same order)
+        return getattr(wrapper, "_ddp_notebook_layout", None)
     return [[int(index) for index in bucket.split()] for bucket in text.split(",")]
+
+
+def fresh_ddp(
+    module: torch.nn.Module, layout: list[list[int]] | None, **ddp_kwargs: Any
+) -> torch.nn.parallel.DistributedDataParallel:
+    """A new DistributedDataParallel over `module`, its gradient buckets laid out as `layout` (from
+    `ddp_bucket_layout`; None: DDP's initial one), which `ddp_bucket_layout` reads back at once."""
+    with ddp_buckets(layout):
+        fresh = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
+    fresh._ddp_notebook_layout = layout
+    return fresh
 
 
 @contextlib.contextmanager
