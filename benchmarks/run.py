@@ -46,7 +46,12 @@ def make_parser() -> argparse.ArgumentParser:
     add("--ranks", type=int, default=2, help="ranks per world (default: 2)")
     add("--repeats", type=int, help="rounds, each measuring every subject (default: the scenario's own)")
     add("--record", action="store_true", help="add the run's figures to results/by_date.md, under today's date")
-    add("--json", type=Path, metavar="PATH", help="write every sample here (all: a directory; default results/)")
+    add(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        help="write every sample here (a folder: SCENARIO.json in it; all: results/)",
+    )
     add("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank (default: gloo)")
     add("--warmup", type=int, help="untimed cells (roundtrip: 20) or steps (training, logging: 30; frameworks: 20)")
     add("--cells", type=int, default=10, help="roundtrip: timed cells per subject per round (default: 10)")
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             dated_table.record(RESULTS / "by_date.md", new_rows)
         if len(names) > 1:
             write_json((args.json or RESULTS) / f"{'peers-' if peers else ''}{name}.json", payload)
+        elif args.json is not None and args.json.is_dir():  # a folder: the scenario's file in it, as `all` names it
+            write_json(args.json / f"{name}.json", payload)
         else:
             write_json(args.json, payload)
     if peers:
