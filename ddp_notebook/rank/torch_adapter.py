@@ -111,7 +111,8 @@ def move_ddp(wrapper: torch.nn.parallel.DistributedDataParallel, group: dist.Pro
 
 def ddp_bucket_layout(wrapper: torch.nn.parallel.DistributedDataParallel) -> list[list[int]] | None:
     """The parameter indices in each of a DDP model's gradient buckets, as its reducer last rebuilt
-    them from the order gradients became ready (None before its first rebuild: the initial layout)."""
+    them from the order gradients became ready, or as `fresh_ddp` was given it (None before its first
+    rebuild otherwise: the initial layout)."""
     text = wrapper._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
     if not isinstance(text, str) or not text.strip():
         # DDP logs its rebuilt layout one forward after rebuilding, at its third: a reducer
