@@ -45,13 +45,19 @@ def rows(
     load: tuple[float, float],
 ) -> list[str]:
     """The table rows of one scenario's run; `load`: the machine's load average at its start and end
-    (steps/s move with it; a run beside other work is told apart by it)."""
-    return [
-        f"| {scenario} | {labels.get(name, name)} | {_figure(entry)} | {_ratio(entry)} | {_cost(entry)} | "
-        f"{load[0]:.1f}, {load[1]:.1f} | `{commit}` | `{command}` |\n"
-        for name, entry in summary.items()
-        if isinstance(entry, dict)
-    ]
+    (steps/s move with it; a run beside other work is told apart by it). A subject with none of the
+    table's figures (a scenario whose figures are of another kind: elastic, failures) gets no row."""
+    found = []
+    for name, entry in summary.items():
+        if not isinstance(entry, dict):
+            continue
+        figures = (_figure(entry), _ratio(entry), _cost(entry))
+        if figures != ("-", "-", "-"):
+            found.append(
+                f"| {scenario} | {labels.get(name, name)} | {' | '.join(figures)} | "
+                f"{load[0]:.1f}, {load[1]:.1f} | `{commit}` | `{command}` |\n"
+            )
+    return found
 
 
 def record(path: Path, new_rows: list[str], today: datetime.date | None = None) -> None:

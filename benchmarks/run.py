@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             command = shlex.join(["python", "benchmarks/run.py", *arguments])
             load = (float(info["load_average"][0]), os.getloadavg()[0])
             new_rows = dated_table.rows(name, summary, labels, str(info["ddp_notebook_commit"]), command, load)
-            dated_table.record(RESULTS / "by_date.md", new_rows)
+            if new_rows:
+                dated_table.record(RESULTS / "by_date.md", new_rows)
+            else:
+                print(f"--record: the {name} scenario has none of the figures results/by_date.md keeps; nothing added")
         if len(names) > 1:
             write_json((args.json or RESULTS) / f"{'peers-' if peers else ''}{name}.json", payload)
         elif args.json is not None and args.json.is_dir():  # a folder: the scenario's file in it, as `all` names it

@@ -47,3 +47,12 @@ def test_runs_are_kept_in_one_table_per_day(tmp_path: Path) -> None:
     dated_table.record(path, ["| roundtrip | y |\n"], first)
     day1, day2 = path.read_text().split("## 2026-11-27\n")[1].split("## 2026-11-28\n")
     assert "| roundtrip | y |" in day1 and "| roundtrip" not in day2 and "| start | x" in day2
+
+
+def test_a_subject_without_the_tables_figures_gets_no_row() -> None:
+    # the elastic scenario's summary: seconds and percentages of its own, none of the table's columns
+    elastic = {"ddp_notebook": {"death_to_ready_s": 0.79, "comeback_s": 0.5, "snapshot_ms": 0.67}}
+    command = "python benchmarks/run.py elastic"
+    assert dated_table.rows("elastic", elastic, {}, "abc1234", command, (1.0, 1.1)) == []
+    mixed = dated_table.rows("training", SUMMARY | elastic, {}, "abc1234", command, (1.0, 1.1))
+    assert [row.split(" | ")[1] for row in mixed] == ["ddp_kernel", "torchrun"]
