@@ -19,21 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from harness import machine_info, machine_line, print_table
+from subjects import free_port
 
 RESULT_SECONDS = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _train(model: torch.nn.Module, rank: int, steps: int) -> list[torch.Tensor]:
@@ -78,7 +72,7 @@ def _rank(rank: int, size: int, port: int, trials: int, steps: int, results: mp.
 def measure(size: int, trials: int, steps: int) -> dict[str, int]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_rank, args=(rank, size, port, trials, steps, results)) for rank in range(size)]
     for process in ranks:
         process.start()

@@ -13,12 +13,10 @@ Runs on ranks; imported only where torch already is.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -125,33 +123,24 @@ def fresh_ddp(
     module: torch.nn.Module, layout: list[list[int]] | None, **ddp_kwargs: Any
 ) -> torch.nn.parallel.DistributedDataParallel:
     """A new DistributedDataParallel over `module`, its gradient buckets laid out as `layout` (from
-    `ddp_bucket_layout`; None: DDP's initial one), which `ddp_bucket_layout` reads back at once."""
-    with ddp_buckets(layout):
-        fresh = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
-    fresh._ddp_notebook_layout = layout
-    return fresh
-
-
-@contextlib.contextmanager
-def ddp_buckets(layout: list[list[int]] | None) -> Iterator[None]:
-    """DDP models made inside start with their gradient buckets laid out as `layout` (from
-    `ddp_bucket_layout`) instead of the initial one. Where a bucket holds other parameters, or the
-    same ones in another order, the all-reduce sums them in another order across 3+ ranks: not
-    the same bits."""
-    if layout is None:
-        yield
-        return
+    `ddp_bucket_layout`; None: DDP's initial one), which `ddp_bucket_layout` reads back at once.
+    Where a bucket holds other parameters, or the same ones in another order, the all-reduce sums
+    them in another order across 3+ ranks: not the same bits."""
     compute = dist._compute_bucket_assignment_by_size
-
-    def assign(parameters: Any, limits: list[int], *args: Any) -> tuple[list[list[int]], list[int]]:
+    if layout is not None:
         # DDP hands the reducer its buckets reversed (the order gradients usually become ready)
-        return [list(bucket) for bucket in reversed(layout)], [max(limits)] * len(layout)
+        buckets = [list(bucket) for bucket in reversed(layout)]
 
-    dist._compute_bucket_assignment_by_size = assign
+        def assign(parameters: Any, limits: list[int], *args: Any) -> tuple[list[list[int]], list[int]]:
+            return buckets, [max(limits)] * len(buckets)
+
+        dist._compute_bucket_assignment_by_size = assign
     try:
-        yield
+        fresh = torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
     finally:
         dist._compute_bucket_assignment_by_size = compute
+    fresh._ddp_notebook_layout = layout
+    return fresh
 
 
 def ddp_options(wrapper: torch.nn.parallel.DistributedDataParallel) -> dict[str, Any]:
