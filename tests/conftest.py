@@ -20,6 +20,8 @@ from comm.base_comm import BaseComm
 from ddp_notebook import DDPCluster
 from ddp_notebook.platform.processes import OWNER_PID_ENV
 
+pytest_plugins = ["tests.support.costs"]
+
 
 def pid_alive(pid: int) -> bool:
     try:
