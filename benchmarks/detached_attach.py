@@ -35,14 +35,14 @@ from typing import Any
 
 from harness import exit_on_sigterm, machine_info
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.test_kernel; ddp_notebook as installed
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.support.kernel; ddp_notebook as installed
 
 
 def start_and_kill(ranks: int, extra: str) -> list[int]:
     """A kernel starts a detached world, sets `kept`, and is SIGKILLed; the world's PIDs."""
     from ddp_notebook.platform.processes import descendants
     from ddp_notebook.wire import detached as wire
-    from tests.test_kernel import Kernel
+    from tests.support.kernel import Kernel
 
     kernel = Kernel()
     try:
@@ -61,8 +61,8 @@ def start_and_kill(ranks: int, extra: str) -> list[int]:
 
 
 def attach_once(ranks: int) -> tuple[float, float, float]:
-    from tests.conftest import wait_gone
-    from tests.test_kernel import Kernel
+    from tests.support.kernel import Kernel
+    from tests.support.processes import wait_gone
 
     pids = start_and_kill(ranks, "")
     kernel = Kernel()
@@ -89,7 +89,7 @@ def attach_once(ranks: int) -> tuple[float, float, float]:
 
 
 def idle_end_once(ranks: int, limit: float) -> float:
-    from tests.conftest import wait_gone
+    from tests.support.processes import wait_gone
 
     pids = start_and_kill(ranks, f"--idle-limit {limit:g}")
     began = time.perf_counter()
@@ -111,7 +111,7 @@ Rate = tuple[float, float]  # (steps/s, the rank process's CPU µs per step, eve
 def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, int, list[tuple[Rate, Rate]]]:
     """(%ddp_attach s, %ddp_wait s, the lines it showed, [(the loop keeping a journal, keeping none)] per pair)."""
     from ddp_notebook.wire import detached as wire
-    from tests.test_kernel import Kernel
+    from tests.support.kernel import Kernel
 
     kernel = Kernel()
     try:

@@ -29,7 +29,7 @@ the snapshot it went back to, where rank 0 could say). At the end every process 
 started must be gone.
 
 With `--hosts` (as root; the Debian packages .ci/install adds): the world runs across three
-"hosts" made of network namespaces with an sshd each (tests/multihost.py), started by the SSH
+"hosts" made of network namespaces with an sshd each (tests/support/multihost.py), started by the SSH
 launcher over a hosts list of RANKS-1 slots on the first, one on the second and RANKS-1 spare ones
 on the third (the first RANKS-1 ranks on host 1, the last on host 2). A lost rank comes back on
 its own host where only its process died, or on the list's first free slot where its host went
@@ -62,7 +62,7 @@ from typing import Any
 
 from harness import exit_on_sigterm, machine_info, percentile, print_table
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # ddp_notebook as installed, tests.conftest
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # ddp_notebook as installed, tests.support
 
 KINDS = ("kill", "raise", "skip", "interrupt", "stop", "oom", "link")
 HOST_KINDS = ("link",)  # drawn only where the ranks span hosts (--hosts)
@@ -157,7 +157,7 @@ def main() -> int:
         parser.error(f"{', '.join(HOST_KINDS)} faults need ranks on several hosts: add --hosts")
     if args.hosts and os.geteuid() != 0:
         parser.error("--hosts makes network namespaces and runs an sshd in each: run it as root")
-    from tests import memory_cgroup
+    from tests.support import memory_cgroup
 
     cgroup = home = None
     if "oom" in kinds:
@@ -191,7 +191,7 @@ def run_storm(
     cgroup: Any = None,
     hosts: bool = False,
 ) -> Storm:
-    from tests.conftest import wait_gone
+    from tests.support.processes import wait_gone
 
     schedule = random.Random(seed)
     storm = Storm()
@@ -216,7 +216,7 @@ def _world(ranks: int, hosts: bool) -> Iterator[tuple[Any, Any]]:
     if not hosts:
         yield DDPCluster(ranks, **settings).start(), None
         return
-    from tests.multihost import network_namespaces, ssh_hosts
+    from tests.support.multihost import network_namespaces, ssh_hosts
 
     with network_namespaces(3) as network, ssh_hosts(network) as ssh, warnings.catch_warnings():
         warnings.simplefilter("ignore", InsecureNetworkWarning)  # a bridge of this machine's own
@@ -245,7 +245,7 @@ def _storm(
     deadline = time.monotonic() + seconds
     cell_seconds = _timed_epoch(world, storm)  # a first epoch without a fault: how long a cell takes
     if cgroup is not None:
-        from tests import memory_cgroup
+        from tests.support import memory_cgroup
 
         memory_cgroup.set_limit(cgroup, (cgroup.memory_used() or 0) + OOM_HEADROOM)
     while time.monotonic() < deadline and (most is None or len(storm.faults) < most):

@@ -1,6 +1,6 @@
 """A host lost: how soon it is named, and how soon the training goes on, shrunk or replaced.
 
-Two "hosts" made of network namespaces with an sshd each (tests/multihost.py: needs root and the
+Two "hosts" made of network namespaces with an sshd each (tests/support/multihost.py: needs root and the
 Debian packages .ci/install adds); a world started by the SSH launcher over a hosts list of three
 slots (host 2: one, host 1: two), two ranks started, one per host, the third slot spare. Each
 round trains a tracked model (a snapshot every 5 steps), then takes host 2 off the network in one
@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddp_notebook import DDPCluster, InsecureNetworkWarning, RankDiedError
-from tests.conftest import wait_gone
-from tests.multihost import network_namespaces, ssh_hosts
+from tests.support.multihost import network_namespaces, ssh_hosts
+from tests.support.processes import wait_gone
 
 SETUP = """
 import torch

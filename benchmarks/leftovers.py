@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 from harness import exit_on_sigterm, machine_info, machine_line
 
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.test_kernel; ddp_notebook as installed
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests.support.kernel; ddp_notebook as installed
 
 WORKERS = (
     "from torch.utils.data import DataLoader\n"
@@ -57,7 +57,7 @@ def _until_gone(pids: list[int], began: float, limit: float = 30.0) -> float:
 
 
 def kernel_killed(ranks: int, workers: int) -> float:
-    from tests.test_kernel import Kernel
+    from tests.support.kernel import Kernel
 
     kernel = Kernel()
     try:

@@ -27,8 +27,8 @@ def measure(cells: int, plotly_own: bool) -> list[int]:
     from ddp_notebook.live import plotly_adapter
     from ddp_notebook.live.feed import Feed
     from ddp_notebook.live.widgets import LiveView
-    from tests.conftest import RecordingComm
-    from tests.test_widgets import Clock, bytes_sent, train
+    from tests.support.comms import RecordingComm
+    from tests.support.widgets import Clock, bytes_sent, train
 
     created: list[RecordingComm] = []
 

@@ -22,7 +22,7 @@ For each size, in a fresh Jupyter kernel driven as a notebook front end drives i
 - a rank's memory: the mean unique (USS) memory of the ranks, and so how many fit the memory free.
 
 With `--hosts K` (as root): the ranks spread evenly over K "hosts" made of network namespaces with
-an sshd each (tests/multihost.py), started by the SSH launcher with the controller on the bridge
+an sshd each (tests/support/multihost.py), started by the SSH launcher with the controller on the bridge
 (CurveZMQ). No warm template runs on a host, so every rank there is a Python process of its own
 that imports torch: its memory is a real remote rank's, not a fork's.
 
@@ -246,7 +246,8 @@ def browser_frames(n: int, seconds: float, own_cpu: bool) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.jupyterlab_server import (
+    from tests.support.jupyterlab_server import (
+        LARGE_JS,
         jupyterlab,
         launch_chromium,
         missing_requirement,
@@ -254,7 +255,6 @@ def browser_frames(n: int, seconds: float, own_cpu: bool) -> dict[str, Any]:
         run_all_cells,
         watch_page,
     )
-    from tests.test_browser import LARGE_JS
 
     reason = missing_requirement()
     if reason:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         hosts = None
         if args.hosts:
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from tests.multihost import network_namespaces, ssh_hosts
+            from tests.support.multihost import network_namespaces, ssh_hosts
 
             network = hosts_made.enter_context(network_namespaces(args.hosts))
             hosts = (network, hosts_made.enter_context(ssh_hosts(network)))

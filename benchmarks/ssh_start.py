@@ -1,6 +1,6 @@
 """A world started over SSH on two hosts: seconds from `start()` to ready, and to stopped.
 
-Two "hosts" made of network namespaces with an sshd each (tests/multihost.py: needs root and the
+Two "hosts" made of network namespaces with an sshd each (tests/support/multihost.py: needs root and the
 Debian packages .ci/install adds); `--ranks-per-host` ranks on each. Side by side, alternating in
 one run:
 
@@ -31,7 +31,7 @@ from harness import exit_on_sigterm, print_table
 
 from ddp_notebook import DDPCluster, InsecureNetworkWarning
 from ddp_notebook.world.provisioning import launcher as launcher_provisioning
-from tests.multihost import network_namespaces, ssh_hosts
+from tests.support.multihost import network_namespaces, ssh_hosts
 
 SUBJECTS = ("ddp_notebook", "ipyparallel steps")
 

@@ -1,7 +1,7 @@
 """The collective X-ray across hosts: how long a reading of ranks on other hosts takes, and how
 soon a mismatch between them ends the cell.
 
-Two "hosts" made of network namespaces with an sshd each (tests/multihost.py: needs root and
+Two "hosts" made of network namespaces with an sshd each (tests/support/multihost.py: needs root and
 the Debian packages .ci/install adds), a world of one rank per host started by the SSH
 launcher, the controller on the bridge with CurveZMQ. Run from the repository root:
 
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ddp_notebook import InsecureNetworkWarning
 from ddp_notebook.cell import xray
 from ddp_notebook.cell.xray import CollectiveMismatchError
-from tests.multihost import network_namespaces, ssh_hosts
-from tests.test_multinode import ssh_world
+from tests.support.launchers import ssh_world
+from tests.support.multihost import network_namespaces, ssh_hosts
 
 MISMATCH = "t = torch.ones(5)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n    dist.broadcast(t, 0)"
 

@@ -1,9 +1,9 @@
 """Run a tour notebook top to bottom in a real kernel, as the test suite and the docs build both do.
 
 One implementation: tests/test_binder.py executes each notebook through `execute` inside the Binder
-environment, and tests/conftest.py through the same function for any notebook that run did not
-serve (tests/test_notebooks.py checks what it printed, tests/test_docs_site.py builds the site from
-it); docs/build.py executes them through the same function for a local build.
+environment, and tests/support/notebooks.py through the same function for any notebook that run did
+not serve (tests/test_notebooks.py checks what it printed, tests/test_docs_site.py builds the site
+from it); docs/build.py executes them through the same function for a local build.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 What repo2docker does with this repository, and what this test does in its place: steps 1-3 (the
 runtime's Python, the repository copied in, a fresh venv,  pip install -r binder/requirements.txt
-from its root, binder/postBuild) are tests/binder_build.py's, which tests/conftest.py starts in
+from its root, binder/postBuild) are tests/support/binder_build.py's, which tests/conftest.py starts in
 the background when the session starts; then:
 
 4. JupyterLab opens the notebooks. Here: every notebooks/*.ipynb runs top to bottom with nbclient
    inside the venv, through docs/notebook_runner.py (the runner of the docs build and of
-   tests/conftest.py), in a kernel whose kernelspec is installed into the venv (its python is
+   tests/support/notebooks.py), in a kernel whose kernelspec is installed into the venv (its python is
    asserted to be the venv's, and so is the ranks'), while the memory of the kernel and all its
    processes is sampled: Binder gives a session at most about 2 GB. Each notebook runs in a
    folder of its own, as in a fresh session; the runs serve tests/test_notebooks.py and the docs
@@ -45,8 +45,8 @@ import nbformat
 import pytest
 
 from ddp_notebook.platform import devices
-from tests.binder_build import BinderBuild, run_checked
-from tests.conftest import QUICK_NOTEBOOKS, ExecutedNotebooks
+from tests.support.binder_build import BinderBuild, run_checked
+from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks
 
 pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
 

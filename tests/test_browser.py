@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.jupyterlab_server import (
+from tests.support.jupyterlab_server import (
+    ARTIFACTS,
+    LARGE_JS,
+    SNAPSHOT_JS,
     Lab,
     jupyterlab,
     launch_chromium,
@@ -24,7 +27,6 @@ from tests.jupyterlab_server import (
 
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 RUN_SECONDS = 120.0
 EPOCHS, BATCHES = 3, 40
 
@@ -61,38 +63,6 @@ for step in range(5):
     optimizer.step()
 """
 
-# what the page shows: the live view's bars and curves, the other plots, any error
-SNAPSHOT_JS = """() => {
-  const live = document.querySelector('.ddp-live');
-  const plot = live && live.querySelector('.js-plotly-plot');
-  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
-  return {
-    views: document.querySelectorAll('.ddp-live').length,
-    traces: plot && plot.data ? plot.data.map(t => [t.meta, t.name, t.x ? t.x.length : 0]) : [],
-    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => ({
-      label: b.innerText,
-      width: b.querySelector('.progress-bar').style.width,
-      done: b.classList.contains('ddp-bar-done'),
-    })) : [],
-    otherPlots: plots.filter(p => !p.closest('.ddp-live')).map(p => (p.data || []).map(t => t.type)),
-    // the drawn bars of each lane of a profile's timeline (plotly draws a path per bar)
-    profileLanes: plots.filter(p => !p.closest('.ddp-live') && (p.data || []).some(t => t.name === 'compute'))
-      .map(p => [...new Set(p.data.flatMap(t => Array.from(t.y || [])))].sort()
-        .concat([p.querySelectorAll('.barlayer .point path').length])),
-    otherBars: Array.from(document.querySelectorAll('.widget-hprogress'))
-      .filter(p => !p.closest('.ddp-live'))
-      .map(p => [p.parentElement.innerText, p.querySelector('.progress-bar').style.width]),
-    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
-    steps: live ? (live.querySelector('.ddp-steps') || {}).innerText || '' : '',
-    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output'))
-      .map(o => o.innerText)
-      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
-    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
-    prompts: Array.from(document.querySelectorAll('.jp-InputPrompt')).map(p => p.innerText.trim()),
-    // plotly.js being imported (or imported) by the page, once per plotly version
-    plotlyLoading: Boolean(globalThis.__ddpNotebookPlotly && globalThis.__ddpNotebookPlotly.size),
-  };
-}"""
 # a cell between the start and the first live view: the page gets plotly.js while it runs
 BETWEEN_CELL = "import time\ntime.sleep(3)"
 
@@ -188,25 +158,6 @@ FRAMES_JS = """() => {
   let last = performance.now();
   const tick = (now) => { window.__frameGaps.push(now - last); last = now; requestAnimationFrame(tick); };
   requestAnimationFrame(tick);
-}"""
-LARGE_JS = """() => {
-  const live = document.querySelector('.ddp-large');
-  const plots = live ? Array.from(live.querySelectorAll('.js-plotly-plot')) : [];
-  const main = plots.find(p => !p.closest('.ddp-heat'));
-  const heat = plots.find(p => p.closest('.ddp-heat'));
-  return {
-    shown: !!live,
-    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => b.innerText) : [],
-    traces: main && main.data ? main.data.map(t => [t.name, t.visible, t.x ? t.x.length : 0]) : [],
-    heat: heat && heat.data ? heat.data.map(t => [t.type, t.y ? t.y.length : 0,
-      t.z ? Array.from(t.z).flatMap(row => Array.from(row)).filter(v => v !== null && !isNaN(v)).length : 0]) : [],
-    heatCells: heat ? heat.querySelectorAll('.hm image, .heatmaplayer image').length : 0,
-    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
-    gaps: window.__frameGaps || [],
-    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
-    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(o => o.innerText)
-      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
-  };
 }"""
 
 

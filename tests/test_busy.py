@@ -12,9 +12,10 @@ import pytest
 
 from ddp_notebook.cell import busy
 from ddp_notebook.live.xray_readings import RankCollectives
-from tests.conftest import documented_magic_lines, wait_gone
-from tests.test_channel import waiting_in
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.processes import wait_gone
+from tests.support.readings import waiting_in
 
 NOW = 1_700_000_000.0  # the kernel's clock when the ranks were read
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "failures.md"

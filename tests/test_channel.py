@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed, Metrics, Recorder
-from ddp_notebook.live.xray_readings import Collective, RankCollectives
 from ddp_notebook.rank.channel import Channel, Progress
 from ddp_notebook.wire.channel import FLUSH_SECONDS, KEPT_MESSAGES, MESSAGE_KEY, RankMessage, messages_in
+from tests.support.readings import StepsSoFar, waiting_in
 
 
 class Clock:
@@ -376,21 +376,6 @@ def test_a_cell_that_logs_nothing_leaves_the_latest_metrics(clock: Clock) -> Non
 # ---------------------------------------------------------------- step times and the X-ray
 
 
-class StepsSoFar:
-    """A rank's step timing as `timing.CLOCK.summary` gives it, moved by hand."""
-
-    def __init__(self, compute: float = 0.004, comm: float = 0.0) -> None:
-        self.steps = 0
-        self.compute, self.comm = compute, comm
-
-    def __call__(self) -> dict[str, Any] | None:
-        if not self.steps:
-            return None
-        total = 0.001 + self.compute + self.comm + 0.001
-        return {"steps": self.steps, "window": min(self.steps, 20), "total": total, "data": 0.001,
-                "compute": self.compute, "comm": self.comm, "optimizer": 0.001}  # fmt: skip
-
-
 def test_step_times_ride_along_only_when_the_rank_timed_new_steps_in_this_cell(
     clock: Clock, sent: list[dict[str, Any]]
 ) -> None:
@@ -428,15 +413,6 @@ def test_feed_keeps_each_ranks_latest_step_times_and_names_the_straggler(clock: 
     assert sorted(feed.step_times) == [0, 1, 2] and feed.step_times[1].compute == 0.054
     assert feed.straggler is not None and (feed.straggler.rank, feed.straggler.phase) == (1, "compute")
     assert feed.straggler.headline() == "rank 1 is the straggler: 9.3x, compute (+50.0 ms per step)"
-
-
-def waiting_in(rank: int, waited: float | None, seq: int = 3, line: int = 2) -> RankCollectives:
-    """A rank's X-ray: in all_reduce #seq for `waited` seconds, or (None) running its cell."""
-    now_ns = 100 * 10**9
-    if waited is None:
-        return RankCollectives(rank, (), line, True, now_ns)
-    current = Collective(seq, "all_reduce", ((4,),), ("Float",), False, now_ns - int(waited * 1e9))
-    return RankCollectives(rank, (current,), line, True, now_ns)
 
 
 def test_the_xray_is_shown_past_the_threshold_even_before_any_message_and_cleared_after(clock: Clock) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.test_kernel import Kernel
+from tests.support.kernel import Kernel
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 
 from ddp_notebook.platform.processes import descendants
 from ddp_notebook.wire import detached as wire
-from tests.conftest import pid_alive, wait_gone
-from tests.test_kernel import Kernel, _outs
+from tests.support.kernel import Kernel, outs
+from tests.support.processes import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def test_a_detached_world_outlives_its_kernel_and_a_new_kernel_attaches_again(
         follow_cell_of_an_earlier_kernel(kernel, hold, size)
         out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item(), type(model).__name__)")
         assert error is None, out
-        assert _outs(out, {rank: (40 + rank, float(size), "DistributedDataParallel") for rank in range(size)}), out
+        assert outs(out, {rank: (40 + rank, float(size), "DistributedDataParallel") for rank in range(size)}), out
         out, error = kernel.run("%ddp_worlds")
         assert error is None and " attached " in next(line for line in out.splitlines() if entry["id"] in line), out
         out, error = kernel.run("%ddp_status")
@@ -212,7 +212,7 @@ def follow_cell_of_an_earlier_kernel(kernel: Kernel, hold: Path, size: int) -> N
     rerun, error = kernel.run(TRAIN)  # the same run, uninterrupted (nothing holds it now)
     assert error == "RankError" and "checked after the last step" in rerun, rerun
     out, error = kernel.run("%%ddp\nall(torch.equal(a, b) for a, b in zip(weights, followed)) and len(weights)")
-    if not (error is None and _outs(out, dict.fromkeys(range(size), 2))):  # what differs, and the runs' output
+    if not (error is None and outs(out, dict.fromkeys(range(size), 2))):  # what differs, and the runs' output
         shown, _ = kernel.run("%%ddp\nprint([(a - b).abs().max().item() for a, b in zip(weights, followed)])")
         raise AssertionError(f"{out}\n{shown}\nfollowed:\n{followed}\nrun again:\n{rerun}")
 

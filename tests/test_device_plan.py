@@ -143,14 +143,15 @@ def test_context_outside_a_world_uses_cuda_local_rank(monkeypatch: pytest.Monkey
 
 
 def record_startup(tmp_path: Path, visible: str | None, *args: str) -> dict[str, Any]:
-    """Run a rank's start-up in a fresh process with torch's CUDA entry points recorded (tests/cuda_calls.py)."""
+    """Run a rank's start-up in a fresh process with torch's CUDA entry points recorded
+    (tests/support/cuda_calls.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK")}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = tmp_path / f"calls-{len(list(tmp_path.iterdir()))}.json"
     done = subprocess.run(
-        [sys.executable, "-m", "tests.cuda_calls", "--out", str(out), *args],
+        [sys.executable, "-m", "tests.support.cuda_calls", "--out", str(out), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -22,8 +22,8 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.conftest import ExecutedNotebooks
-from tests.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS
+from tests.support.jupyterlab_server import CHROMIUM, CHROMIUM_ARGS
+from tests.support.notebooks import ExecutedNotebooks
 
 pytestmark = [pytest.mark.notebook, pytest.mark.browser, pytest.mark.timeout(1800)]
 

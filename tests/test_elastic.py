@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -15,107 +14,13 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from ddp_notebook import DDPCluster, DDPUsageError, RankDiedError, RankError, WorldBrokenError
 from ddp_notebook.rank.helpers import EpochDataLoader, ResumableSampler
 from ddp_notebook.world.provisioning import controlled
-from tests.conftest import wait_gone
+from tests.support import elastic_training
+from tests.support.elastic_training import DDP, DROP, EPOCHS, FSDP, SAMPLES, TRACK, TRAIN
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 
-SAMPLES, EPOCHS = 64, 2
-
-# the model, data and optimizer of both runs; {p} prefixes the names so that the reference
-# run and the tracked run share one world without touching each other's state; {wrap} is
-# prepare_model (DDP) or shard_model (FSDP2: the inner Sequential's two Linear layers are
-# sharded one by one, then the root); {drop} is the dropout's probability (its masks come from
-# torch's generator, which a snapshot keeps)
-BUILD = """
-import torch
-from torch.utils.data import DistributedSampler, TensorDataset
-torch.manual_seed(0)
-{p}data = TensorDataset(torch.randn({n}, 4), torch.randn({n}, 1), torch.arange({n}))
-{p}net = torch.nn.Sequential(
-    torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout({drop}), torch.nn.Linear(8, 1))
-)
-{p}model = ddp_notebook.{wrap}({p}net)
-{p}opt = torch.optim.SGD({p}model.parameters(), lr=0.05, momentum=0.9)
-{p}loader = ddp_notebook.prepare_loader({p}data, batch_size=4, seed=1)
-{p}step = 0
-{p}seen = []  # the global sample ids of every step, gathered from all ranks
-"""
-TRACK = "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, seen=seen, snapshot_every=3)"
-# resumable: the loop runs until the loader started every epoch; a resumed epoch skips what it used
-TRAIN = """
-import os, signal
-while {p}loader.epoch < {epochs}:
-    for x, y, ids in {p}loader:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, ids.tolist())
-        {p}seen.append(sum(gathered, []))
-        if rank == KILL_RANK and {p}step == KILL_AT:
-            os.kill(os.getpid(), signal.SIGKILL)  # the others are then in the step's first collective
-        loss = torch.nn.functional.mse_loss({p}model(x), y)
-        {p}opt.zero_grad()
-        loss.backward()
-        {p}opt.step()
-        {p}step += 1
-"""
-# the whole parameters (a sharded one is gathered: every rank runs this)
-PARAMS = "[getattr(p, 'full_tensor', p.detach)().detach().clone() for p in {p}model.parameters()]"
-DDP, FSDP = "prepare_model", "shard_model"
-DROP = 0.5  # the comeback tests train with dropout: a rank brought back needs the generator's state too
 KILL = "import os, signal\nif rank == {rank}:\n    os.kill(os.getpid(), signal.SIGKILL)\ndist.barrier()"
-
-
-def _train(world: DDPCluster, prefix: str, kill_rank: int = -1, kill_at: int = -1, epochs: int = EPOCHS) -> None:
-    world.push({"KILL_RANK": kill_rank, "KILL_AT": kill_at})
-    world.execute(TRAIN.format(p=prefix, epochs=epochs))
-
-
-def _params(world: DDPCluster, prefix: str) -> dict[int, list[torch.Tensor]]:
-    world.execute(f"params_now = {PARAMS.format(p=prefix)}")
-    return world.pull("params_now")
-
-
-def _build(prefix: str, wrap: str, drop: float) -> str:
-    return BUILD.format(p=prefix, n=SAMPLES, wrap=wrap, drop=drop)
-
-
-def _reference(world: DDPCluster, wrap: str) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The same training, uninterrupted, in this world: its final parameters and sample log."""
-    world.execute(_build("ref_", wrap, DROP))
-    _train(world, "ref_")
-    reference = _params(world, "ref_")
-    assert all(_bitwise_equal(reference[0], reference[rank]) for rank in reference)
-    return reference[0], world.pull("ref_seen", ranks=[0])[0]
-
-
-def _ends_like(world: DDPCluster, reference: list[torch.Tensor], reference_seen: list[list[int]]) -> None:
-    """Every rank's parameters are bitwise the reference's; each sample was used once an epoch."""
-    params = _params(world, "")
-    for rank in range(world.world_size):
-        assert _bitwise_equal(params[rank], reference), f"rank {rank} differs from the uninterrupted run"
-    seen = world.pull("seen")
-    assert all(log == reference_seen for log in seen.values())
-    _each_sample_once_per_epoch(seen[0], world.world_size)
-
-
-def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _steps_per_epoch(size: int) -> int:
-    return math.ceil(math.ceil(SAMPLES / size) / 4)  # batches of 4 of each rank's shard
-
-
-def _padded(size: int) -> int:
-    """Samples in an epoch: DistributedSampler repeats a few to give every rank as many."""
-    return math.ceil(SAMPLES / size) * size
-
-
-def _each_sample_once_per_epoch(seen: list[list[int]], size: int) -> None:
-    steps_per_epoch = _steps_per_epoch(size)
-    assert len(seen) == steps_per_epoch * EPOCHS
-    for epoch in range(EPOCHS):
-        used = sorted(i for step in seen[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch] for i in step)
-        assert sorted(set(used)) == list(range(SAMPLES)) and len(used) == _padded(size), f"epoch {epoch}: {used}"
 
 
 def _everyone(world: DDPCluster, value: object) -> dict[int, object]:
@@ -137,10 +42,10 @@ SHARDED_COMEBACKS = [
 
 @pytest.mark.parametrize(("size", "victim"), COMEBACKS)
 def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None, size: int, victim: int) -> None:
-    kill_at = _steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
+    kill_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
     with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
-        reference, reference_seen = _reference(world, DDP)
-        world.execute(_build("", DDP, DROP) + TRACK, setup=True)
+        reference, reference_seen = elastic_training.reference(world, DDP)
+        world.execute(elastic_training.build("", DDP, DROP) + TRACK, setup=True)
         world.execute("untracked = 'kept'")
         # a cell on some ranks only is no point of the whole world: it takes no snapshot, so a
         # snapshot's number means the same point on every rank (survivors must share one)
@@ -150,7 +55,7 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
         survivor_pid = world.ranks[0].pid
         # the victim dies mid-epoch (epoch 1); the world is back without any call
         with pytest.raises(RankDiedError) as caught:
-            _train(world, "", kill_rank=victim, kill_at=kill_at)
+            elastic_training.train(world, "", kill_rank=victim, kill_at=kill_at)
         message = str(caught.value)
         assert message.startswith(f"rank {victim} was killed by SIGKILL. Rank {victim} came back in ")
         assert "the snapshot taken at epoch 1, batch 3" in message  # snapshot_every=3
@@ -162,17 +67,17 @@ def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None
             world.pull("untracked", ranks=[victim])  # ...the new rank has what the setup cells made
         assert world.pull("data", ranks=[victim])[victim] is not None
 
-        _train(world, "")  # the same cell again continues from the snapshot
-        _ends_like(world, reference, reference_seen)
-        params = _params(world, "")
+        elastic_training.train(world, "")  # the same cell again continues from the snapshot
+        elastic_training.ends_like(world, reference, reference_seen)
+        params = elastic_training.params(world, "")
 
         # rank 0 holds the rendezvous: it comes back too, and the end-of-cell snapshot is restored
         with pytest.raises(
             RankDiedError, match=r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
         ):
             world.execute(KILL.format(rank=0))
-        after = _params(world, "")
-        assert all(_bitwise_equal(after[rank], params[0]) for rank in range(size))
+        after = elastic_training.params(world, "")
+        assert all(elastic_training.bitwise_equal(after[rank], params[0]) for rank in range(size))
         assert world.execute("dist.get_world_size()", stream=False).value_text(0) == str(size)
 
         # past max_restarts a death ends as it did before: the world is broken, nothing outlives stop
@@ -192,10 +97,10 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
 ) -> None:
     """The same for an FSDP2 model: the new rank replays the setup cells alone (a one-rank mesh),
     is sharded again over the world, and every rank loads the gathered snapshot."""
-    kill_at = _steps_per_epoch(size) + 3
+    kill_at = elastic_training.steps_per_epoch(size) + 3
     with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
-        reference, reference_seen = _reference(world, FSDP)
-        world.execute(_build("", FSDP, DROP) + TRACK, setup=True)
+        reference, reference_seen = elastic_training.reference(world, FSDP)
+        world.execute(elastic_training.build("", FSDP, DROP) + TRACK, setup=True)
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
         world.execute(
             "from ddp_notebook.rank import elastic\nfrom ddp_notebook.rank.state import RANK\n"
@@ -210,20 +115,20 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
         back = rf"^rank {victim} was killed by SIGKILL\. Rank {victim} came back in "
         back += ".*the snapshot taken at epoch 1, batch 3"
         with pytest.raises(RankDiedError, match=back):
-            _train(world, "", kill_rank=victim, kill_at=kill_at)
+            elastic_training.train(world, "", kill_rank=victim, kill_at=kill_at)
         assert world.state == "healthy" and world.pull("step") == _everyone(world, kill_at)
         _spans_the_world(world, FSDP)
 
-        _train(world, "")  # the same cell again continues from the snapshot
-        _ends_like(world, reference, reference_seen)
-        params = _params(world, "")
+        elastic_training.train(world, "")  # the same cell again continues from the snapshot
+        elastic_training.ends_like(world, reference, reference_seen)
+        params = elastic_training.params(world, "")
 
         # rank 0 comes back too, to the snapshot the notebook took at the end of the last cell
         back = r"^rank 0 was killed by SIGKILL\. Rank 0 came back in .* end of a cell"
         with pytest.raises(RankDiedError, match=back):
             world.execute(KILL.format(rank=0))
-        after = _params(world, "")
-        assert all(_bitwise_equal(after[rank], params[0]) for rank in range(size))
+        after = elastic_training.params(world, "")
+        assert all(elastic_training.bitwise_equal(after[rank], params[0]) for rank in range(size))
         _spans_the_world(world, FSDP)
         pids = world.all_pids
     assert wait_gone(pids) == []
@@ -243,10 +148,10 @@ def test_a_training_cell_that_failed_midway_is_rolled_back_and_ends_bitwise_equa
     failure, which trained nothing, does not stop them); `rollback()` brings every rank to the
     newest snapshot they share, and the run ends as the uninterrupted one."""
     assert TRAIN_RAISING != TRAIN
-    fail_at = _steps_per_epoch(size) + 3  # epoch 1, the step after the snapshot at its batch 3
+    fail_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, the step after the snapshot at its batch 3
     with DDPCluster(size, backend="gloo", timeout=60) as world:
-        reference, reference_seen = _reference(world, DDP)
-        world.execute(_build("", DDP, DROP) + TRACK, setup=True)
+        reference, reference_seen = elastic_training.reference(world, DDP)
+        world.execute(elastic_training.build("", DDP, DROP) + TRACK, setup=True)
         with pytest.raises(RankError, match="is not defined"):
             world.execute("a_typo")
         before = world.execute(SNAPSHOTS, stream=False).value_text(0)
@@ -261,9 +166,9 @@ def test_a_training_cell_that_failed_midway_is_rolled_back_and_ends_bitwise_equa
         # the rollback's own collectives still meet, on a fresh group
         world.execute("if rank == 0:\n    _pending = dist.all_reduce(torch.ones(1), async_op=True)")
         assert world.rollback() == "epoch 1, batch 3"
-        assert world.pull("step") == _everyone(world, _steps_per_epoch(size) + 3)
-        _train(world, "")  # the training cell again goes on from there
-        _ends_like(world, reference, reference_seen)
+        assert world.pull("step") == _everyone(world, elastic_training.steps_per_epoch(size) + 3)
+        elastic_training.train(world, "")  # the training cell again goes on from there
+        elastic_training.ends_like(world, reference, reference_seen)
         pids = world.all_pids
     assert wait_gone(pids) == []
 
@@ -341,21 +246,6 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
     assert wait_gone(pids) == []
 
 
-def _trained_in_one_process(seen: list[list[int]]) -> list[torch.Tensor]:
-    """The parameters one process gets from the same steps, each on the samples all ranks used in it
-    (every rank's batch has as many samples, so the world's mean gradient is this batch's)."""
-    torch.manual_seed(0)  # as BUILD does
-    x, y = torch.randn(SAMPLES, 4), torch.randn(SAMPLES, 1)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))  # no dropout (0.0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    for ids in seen:
-        loss = torch.nn.functional.mse_loss(net(x[ids]), y[ids])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return [p.detach() for p in net.parameters()]
-
-
 # how the model spans the world on a rank: the group (DDP) or mesh (FSDP2) size, its FSDP units,
 # and whether the optimizer holds the model's parameter objects
 SPAN = """
@@ -385,11 +275,11 @@ def test_a_world_resized_and_back_keeps_training_as_one_process_would(
     no_leaks: None, wrap: str, size: int, other: int
 ) -> None:
     with DDPCluster(size, backend="gloo", timeout=60) as world:
-        world.execute(_build("", wrap, 0.0) + TRACK, setup=True)
+        world.execute(elastic_training.build("", wrap, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
-        _train(world, "")  # two epochs at `size` ranks
-        before = _params(world, "")
-        trained = EPOCHS * _steps_per_epoch(size)
+        elastic_training.train(world, "")  # two epochs at `size` ranks
+        before = elastic_training.params(world, "")
+        trained = EPOCHS * elastic_training.steps_per_epoch(size)
         assert world.pull("step") == _everyone(world, trained)
         kept = min(size, other)
         survivors = [info.pid for info in world.ranks][:kept]
@@ -402,35 +292,35 @@ def test_a_world_resized_and_back_keeps_training_as_one_process_would(
         # the ranks that stay keep their variables
         assert world.pull("untracked", ranks=range(kept)) == {rank: rank * 10 for rank in range(kept)}
         assert world.pull("step") == _everyone(world, trained)  # a new rank got the tracked state...
-        grown = _params(world, "")
+        grown = elastic_training.params(world, "")
         for rank in range(other):
-            assert _bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
+            assert elastic_training.bitwise_equal(grown[rank], before[0])  # ...and the model, from rank 0
         _spans_the_world(world, wrap)
 
         # a third epoch at `other` ranks: every sample once (a few repeated to even the shards)
-        _train(world, "", epochs=3)
+        elastic_training.train(world, "", epochs=3)
         seen = world.pull("seen")
         assert all(seen[rank] == seen[0] for rank in range(other))
         third = [i for step in seen[0][trained:] for i in step]
-        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == _padded(other)
-        resized = _params(world, "")
-        assert all(_bitwise_equal(resized[rank], resized[0]) for rank in range(other))
-        assert not _bitwise_equal(resized[0], before[0])  # it trained
+        assert sorted(set(third)) == list(range(SAMPLES)) and len(third) == elastic_training.padded(other)
+        resized = elastic_training.params(world, "")
+        assert all(elastic_training.bitwise_equal(resized[rank], resized[0]) for rank in range(other))
+        assert not elastic_training.bitwise_equal(resized[0], before[0])  # it trained
 
         leaving = [info.pid for info in world.ranks][size:]
         assert world.resize(size) > 0
         assert world.world_size == size and wait_gone(leaving) == []
         assert world.pull("world_size") == _everyone(world, size)
-        _train(world, "", epochs=4)
+        elastic_training.train(world, "", epochs=4)
         seen = world.pull("seen")
-        fourth = [i for step in seen[0][trained + _steps_per_epoch(other) :] for i in step]
-        assert sorted(set(fourth)) == list(range(SAMPLES)) and len(fourth) == _padded(size)
-        after = _params(world, "")
-        assert all(_bitwise_equal(after[rank], after[0]) for rank in range(size))
-        assert not _bitwise_equal(after[0], resized[0])
+        fourth = [i for step in seen[0][trained + elastic_training.steps_per_epoch(other) :] for i in step]
+        assert sorted(set(fourth)) == list(range(SAMPLES)) and len(fourth) == elastic_training.padded(size)
+        after = elastic_training.params(world, "")
+        assert all(elastic_training.bitwise_equal(after[rank], after[0]) for rank in range(size))
+        assert not elastic_training.bitwise_equal(after[0], resized[0])
         _spans_the_world(world, wrap)
         # momentum and position carried through both resizes: as one process on the same samples
-        for got, expected in zip(after[0], _trained_in_one_process(seen[0])):
+        for got, expected in zip(after[0], elastic_training.trained_in_one_process(seen[0])):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         pids = world.all_pids
     assert wait_gone(pids) == []
@@ -451,13 +341,13 @@ def test_a_world_that_shrinks_around_a_lost_rank_trains_on_as_one_process_would(
     """on_loss='shrink' (what launcher worlds do by default): no new process; the survivors go on
     at one rank fewer, renumbered, from the snapshot, and the loader deals the rest of the epoch
     over them."""
-    kill_at = _steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
+    kill_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
     with DDPCluster(size, backend="gloo", timeout=60, on_loss="shrink") as world:
-        world.execute(_build("", DDP, 0.0) + TRACK, setup=True)
+        world.execute(elastic_training.build("", DDP, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
         survivors = [info.pid for info in world.ranks if info.rank != victim]
         with pytest.raises(RankDiedError) as caught:
-            _train(world, "", kill_rank=victim, kill_at=kill_at)
+            elastic_training.train(world, "", kill_rank=victim, kill_at=kill_at)
         message = str(caught.value)
         assert message.startswith(f"rank {victim} was killed by SIGKILL. The world went on without rank {victim} in ")
         assert f"{size - 1} rank(s) now (was {size})" in message
@@ -473,16 +363,16 @@ def test_a_world_that_shrinks_around_a_lost_rank_trains_on_as_one_process_would(
         assert world.pull("untracked") == {new: old * 10 for new, old in enumerate(old_numbers)}
         assert world.pull("step") == _everyone(world, kill_at)
 
-        _train(world, "")  # the rest of epoch 1 over the survivors, then the last epochs
+        elastic_training.train(world, "")  # the rest of epoch 1 over the survivors, then the last epochs
         seen = world.pull("seen")
         assert all(seen[rank] == seen[0] for rank in range(now))
-        first = _steps_per_epoch(size)
+        first = elastic_training.steps_per_epoch(size)
         assert sorted({i for step in seen[0][:first] for i in step}) == list(range(SAMPLES))  # epoch 0, all ranks
         assert sorted({i for step in seen[0][first:] for i in step}) == list(range(SAMPLES))  # and after the loss
-        params = _params(world, "")
-        assert all(_bitwise_equal(params[rank], params[0]) for rank in range(now))
+        params = elastic_training.params(world, "")
+        assert all(elastic_training.bitwise_equal(params[rank], params[0]) for rank in range(now))
         # momentum and position carried through the shrink: as one process on the same samples
-        for got, expected in zip(params[0], _trained_in_one_process(seen[0])):
+        for got, expected in zip(params[0], elastic_training.trained_in_one_process(seen[0])):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         pids = world.all_pids
     assert wait_gone(pids) == []

@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from ddp_notebook import DDPCluster, RankDiedError, RankError
 from ddp_notebook.rank.tracked_loaders import TrackedDataLoader, adopt
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 SAMPLES, BATCH, EPOCHS, EVERY = 96, 4, 3, 3
 

@@ -12,7 +12,7 @@ import torch
 from ddp_notebook import CellTimeoutError, DDPCluster, RankDiedError, RankError, WorldBrokenError
 from ddp_notebook.errors import name_ranks
 from ddp_notebook.wire.results import Death
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from ddp_notebook import (
 )
 from ddp_notebook.errors import name_ranks
 from ddp_notebook.wire.results import Death
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ KINDS = {"kill", "raise", "skip", "interrupt", "stop", "oom"}
 
 def oom_unavailable() -> str | None:
     """Why the driver cannot inject out-of-memory kills here (None: it can)."""
-    from tests import memory_cgroup
+    from tests.support import memory_cgroup
 
     try:
         cgroup, _ = memory_cgroup.make(f"ddp-fault-storm-probe-{os.getpid()}")
@@ -86,7 +86,7 @@ def test_a_storm_across_hosts_is_survived_and_ends_bitwise_equal(tmp_path: Path)
     host's link goes down mid-cell, a remote rank is SIGKILLed, another SIGSTOPped past the heartbeat
     limit; each lost rank comes back (on a spare host's slot where its host went silent) and the run
     ends bitwise equal to a fault-free one, nothing left on any host."""
-    from tests.multihost import require_ssh_hosts
+    from tests.support.multihost import require_ssh_hosts
 
     require_ssh_hosts()
     done, storm, shown = run_storm(tmp_path, "--hosts", "--ranks", "3", "--seed", "3", "--kinds", "link,kill,stop")

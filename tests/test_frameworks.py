@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import owned_pids, wait_gone
-from tests.test_kernel import Kernel
+from tests.support.kernel import Kernel
+from tests.support.processes import owned_pids, wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -27,8 +27,8 @@ import torch
 
 from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.errors import DDPUsageError
-from tests import test_ddp_correctness as correctness
-from tests.conftest import wait_gone
+from tests.support import training as correctness
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.gpu
 
@@ -713,7 +713,7 @@ def test_notebook_04_dataparallel_vs_ddp_on_gpus(tmp_path: Path) -> None:
     import nbformat
     from nbclient import NotebookClient
 
-    from tests.test_notebooks import STEPS_ROW, check_dataparallel_vs_ddp, outputs_text
+    from tests.support.notebooks import STEPS_ROW, check_dataparallel_vs_ddp, outputs_text
 
     path = Path(__file__).resolve().parent.parent / "notebooks" / "04_dataparallel_vs_ddp.ipynb"
     notebook = nbformat.read(path, as_version=4)

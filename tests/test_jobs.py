@@ -27,10 +27,11 @@ from IPython.testing.globalipapp import start_ipython
 from ddp_notebook import DDPCluster
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.world import joblog, jobs, sbatch
-from tests import multihost
-from tests.conftest import documented_magic_lines, owned_pids, wait_gone
-from tests.multihost import Network, SlurmCluster
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support import multihost
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.multihost import Network, SlurmCluster
+from tests.support.processes import owned_pids, wait_gone
 
 # the fixtures this module uses
 multihost_network = multihost.multihost_network

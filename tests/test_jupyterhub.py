@@ -1,4 +1,4 @@
-"""ddp_notebook under a real JupyterHub (tests/hub.py): real Linux users, their servers spawned
+"""ddp_notebook under a real JupyterHub (tests/support/hub.py): real Linux users, their servers spawned
 as them by LocalProcessSpawner, kernels driven through the proxy as a browser does, and the
 jupyterhub-idle-culler service stopping a server whose kernel holds a world."""
 
@@ -19,11 +19,11 @@ import psutil
 import pytest
 import torch
 
-from tests import hub as hub_module
-from tests import memory_cgroup
-from tests.conftest import owned_pids, pid_alive
-from tests.hub import Hub, HubKernel, culler_setting, run_in_threads
-from tests.test_ddp_correctness import BATCH_PER_RANK, LR, MODEL_CODE, STEPS, train_single_process
+from tests.support import hub as hub_module
+from tests.support import memory_cgroup
+from tests.support.hub import Hub, HubKernel, culler_setting, run_in_threads
+from tests.support.processes import owned_pids, pid_alive
+from tests.support.training import BATCH_PER_RANK, LR, MODEL_CODE, STEPS, train_single_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.jupyterhub, pytest.mark.timeout(600)]
 
@@ -602,7 +602,7 @@ def write_user_file(user: hub_module.HubUser, relative: str, text: str) -> Path:
 
 
 def live_notebook_text() -> str:
-    from tests.jupyterlab_server import notebook_text
+    from tests.support.jupyterlab_server import notebook_text
 
     return notebook_text(["%load_ext ddp_notebook\n%ddp_start 2", HUB_BROWSER_CELL, "%ddp_stop"])
 
@@ -621,7 +621,7 @@ def run_live_notebook(page: Any, url: str, artifact: str) -> tuple[dict[str, Any
     the last sample and every sample. A screenshot goes to test-artifacts/ either way."""
     import contextlib
 
-    from tests.test_browser import ARTIFACTS, SNAPSHOT_JS
+    from tests.support.jupyterlab_server import ARTIFACTS, SNAPSHOT_JS
 
     samples: list[dict[str, Any]] = []
     kernel_ready: list[str] = []  # the kernel's websocket answered the page's kernel_info_request
@@ -673,8 +673,7 @@ def test_live_view_through_the_hub_in_jupyterlab_and_notebook7(hub: Hub, tmp_pat
     import contextlib
     import importlib.util
 
-    from tests.jupyterlab_server import launch_chromium, missing_requirement
-    from tests.test_browser import ARTIFACTS
+    from tests.support.jupyterlab_server import ARTIFACTS, launch_chromium, missing_requirement
 
     reason = missing_requirement()
     if reason is None and importlib.util.find_spec("notebook") is None:

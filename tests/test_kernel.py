@@ -2,141 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-from jupyter_client.manager import KernelManager
 
-from tests.conftest import CellOutput, owned_pids, wait_gone
+from tests.support.kernel import Kernel, kernel_world_pids, outs, running_kernel
+from tests.support.processes import owned_pids, wait_gone
 
 pytestmark = pytest.mark.integration
 
 
-class Kernel:
-    """A real ipykernel with helpers to run a cell and collect what it printed."""
-
-    def __init__(self, cwd: str | None = None) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
-        self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
-
-    def run(
-        self,
-        code: str,
-        timeout: float = 120,
-        interrupt_after: float | None = None,
-        on_prompt: Callable[[str], str | None] | None = None,
-    ) -> tuple[str, str | None]:
-        """Run `code`; return (printed text, error name or None).
-
-        `on_prompt`: stdin is allowed, and each prompt (input(), pdb) is answered with what it
-        returns for the prompt's text; None interrupts the kernel instead.
-        """
-        msg_id = self.client.execute(code, allow_stdin=on_prompt is not None)
-        began = time.monotonic()
-        interrupted = False
-        output = CellOutput()
-        while True:
-            if interrupt_after is not None and not interrupted and time.monotonic() - began > interrupt_after:
-                self.manager.interrupt_kernel()
-                interrupted = True
-            if on_prompt is not None:
-                self._answer_prompt(on_prompt)
-            try:
-                msg = self.client.get_iopub_msg(timeout=0.2 if on_prompt is None else 0.05)
-            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
-                if time.monotonic() - began > timeout:
-                    raise TimeoutError(self._interrupt_late_cell(msg_id, output, timeout)) from None
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            self.iopub_bytes += len(json.dumps(msg["content"], default=str))
-            self.iopub_bytes += sum(len(memoryview(buffer).cast("B")) for buffer in msg.get("buffers") or ())
-            if output.take(msg["msg_type"], msg["content"]):
-                return "".join(output.text), output.error
-
-    def wait_for_output(self, text: str, seconds: float) -> str:
-        """What the cells sent without waiting (`client.execute`) printed, once it holds `text`."""
-        printed = ""
-        deadline = time.monotonic() + seconds
-        while text not in printed:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {text!r} within {seconds} s; printed:\n{printed[-3000:]}")
-            try:
-                msg = self.client.get_iopub_msg(timeout=0.2)
-            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
-                continue
-            if msg["msg_type"] == "stream":
-                printed += msg["content"]["text"]
-        return printed
-
-    def _interrupt_late_cell(self, msg_id: str, output: CellOutput, timeout: float) -> str:
-        """A cell past its limit is interrupted (a %%ddp cell then reports where each rank is), so the
-        next cells of a shared kernel do not queue behind it; the message holds what it printed."""
-        self.manager.interrupt_kernel()
-        settle_by = time.monotonic() + 30
-        while time.monotonic() < settle_by:
-            try:
-                msg = self.client.get_iopub_msg(timeout=0.5)
-            except Exception:  # noqa: BLE001  (queue.Empty: nothing yet)
-                continue
-            if msg["parent_header"].get("msg_id") == msg_id and output.take(msg["msg_type"], msg["content"]):
-                break
-        printed = "".join(output.text)[-6000:]
-        return f"cell did not finish within {timeout} s; interrupted, it had printed:\n{printed}"
-
-    def _answer_prompt(self, on_prompt: Callable[[str], str | None]) -> None:
-        try:
-            request = self.client.get_stdin_msg(timeout=0.05)
-        except queue.Empty:
-            return
-        if request["msg_type"] == "input_request":
-            answer = on_prompt(request["content"]["prompt"])
-            if answer is None:
-                self.manager.interrupt_kernel()
-            else:
-                self.client.input(answer)
-
-    def close(self) -> None:
-        self.client.stop_channels()
-        if self.manager.is_alive():
-            self.manager.shutdown_kernel(now=True)
-
-
 @pytest.fixture
 def kernel() -> Iterator[Kernel]:
-    started = Kernel()
-    try:
-        yield started
-    finally:
-        started.close()
-
-
-def kernel_world_pids(kernel: Kernel) -> list[int]:
-    out, error = kernel.run(
-        "import json\n"
-        "world = get_ipython().magics_manager.registry['DDPMagics'].world\n"
-        "print(json.dumps(world.all_pids))"
-    )
-    assert error is None, out
-    return json.loads(out.strip().splitlines()[-1])
+    yield from running_kernel()
 
 
 # 3 ranks in the core subset (benchmarks/compat.py): a middle rank, and more than a pair
 SIZES = [pytest.param(size, id=f"{size}ranks", marks=[pytest.mark.core] if size == 3 else []) for size in (2, 3, 4)]
-
-
-def _outs(out: str, values: dict[int, object]) -> bool:
-    return all(f"[rank {rank}] Out: {value}" in out for rank, value in values.items())
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -155,7 +41,7 @@ def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(kernel
     assert "interrupted" in out
     out, error = kernel.run("%%ddp\nkept + 2")
     assert error is None, out
-    assert _outs(out, {rank: 42 + rank for rank in everyone}), out
+    assert outs(out, {rank: 42 + rank for rank in everyone}), out
 
     # rank 0 raises while the others wait for it in a collective: the root cause, never an interrupt
     began = time.monotonic()
@@ -179,7 +65,7 @@ def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(kernel
     assert "the process group was set up again" in out
     out, error = kernel.run("%%ddp\ny = torch.ones(1)\ndist.all_reduce(y)\n(kept, y.item())")
     assert error is None, out
-    assert _outs(out, {rank: (40 + rank, float(size)) for rank in everyone}), out
+    assert outs(out, {rank: (40 + rank, float(size)) for rank in everyone}), out
     out, _ = kernel.run("%ddp_stop")
     assert "stopped the world" in out
     assert wait_gone(pids) == []

@@ -11,9 +11,9 @@ from ddp_notebook.live.feed import Feed
 from ddp_notebook.live.large_view import BAND_POINTS, HEAT_ROWS, LargeWorldView, grouped_xray, make_view
 from ddp_notebook.live.widgets import TextView
 from ddp_notebook.rank.channel import Channel
-from tests.conftest import RecordingComm
-from tests.test_channel import waiting_in
-from tests.test_widgets import Clock, bytes_sent, models_named
+from tests.support.comms import RecordingComm
+from tests.support.readings import waiting_in
+from tests.support.widgets import Clock, bytes_sent, models_named
 
 SLOW_RANK = 37
 DIVERGED_RANK = 50

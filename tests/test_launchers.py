@@ -4,10 +4,7 @@ cluster started elsewhere (`ipcluster start`): real processes, real gloo groups 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +14,11 @@ import pytest
 from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.platform import processes
-from tests.conftest import pid_alive, wait_gone
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.launchers import MPI_ENV, needs_mpi, running_ipcluster
+from tests.support.processes import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
-
-# Open MPI refuses to run as root (CI, containers) unless told; two ranks on a 2-core machine
-# need --oversubscribe when other processes hold cores
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-needs_mpi = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI's mpiexec is not installed")
 
 
 @needs_mpi
@@ -91,41 +84,7 @@ def test_a_rank_killed_under_mpi_is_named_and_restart_recovers(no_leaks: None) -
 @pytest.fixture
 def ipcluster(tmp_path: Path) -> Iterator[Path]:
     """A 2-engine cluster started the way a user would, outside any world: `ipcluster start`."""
-    profile_dir = tmp_path / "profile_elsewhere"
-    command = [
-        sys.executable,
-        "-m",
-        "ipyparallel.cluster",
-        "start",
-        "--n=2",
-        f"--profile-dir={profile_dir}",
-        "--cluster-id=t1",
-        "--IPController.ip=127.0.0.1",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    connection_file = profile_dir / "security" / "ipcontroller-t1-client.json"
-    deadline = time.monotonic() + 60
-    while not connection_file.exists() and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.1)
-    try:
-        assert connection_file.exists(), "ipcluster did not start"
-        import ipyparallel as ipp
-
-        with ipp.Client(str(connection_file), timeout=30) as client:
-            client.wait_for_engines(2, timeout=60)
-        yield profile_dir
-    finally:
-        subprocess.run(
-            [sys.executable, "-m", "ipyparallel.cluster", "stop", f"--profile-dir={profile_dir}", "--cluster-id=t1"],
-            timeout=60,
-            capture_output=True,
-            check=False,
-        )
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: only what it started
-            process.wait(timeout=10)
+    yield from running_ipcluster(tmp_path)
 
 
 def test_attach_builds_a_world_and_stop_leaves_the_engines_running(ipcluster: Path) -> None:

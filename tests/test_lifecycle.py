@@ -14,7 +14,7 @@ import pytest
 
 from ddp_notebook import DDPCluster, StartError
 from ddp_notebook.platform.cluster_files import cluster_files
-from tests.conftest import owned_pids, pid_alive, wait_gone
+from tests.support.processes import owned_pids, pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 

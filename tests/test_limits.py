@@ -23,8 +23,8 @@ from ddp_notebook.wire.results import MemoryReading, RankInfo, RankStatus
 from ddp_notebook.world.config import RANK_MEMORY_BYTES, WorldConfig
 from ddp_notebook.world.report import format_status
 from ddp_notebook.world.supervision import MemoryWatch
-from tests import memory_cgroup
-from tests.conftest import owned_pids, wait_gone
+from tests.support import memory_cgroup
+from tests.support.processes import owned_pids, wait_gone
 
 GIB = 1 << 30
 MEMINFO = "MemTotal:       16384000 kB\nMemFree:         1000000 kB\nMemAvailable:   12288000 kB\n"

@@ -13,7 +13,7 @@ from ddp_notebook import DDPCluster, Metrics, RankError
 from ddp_notebook.live.feed import XRAY_SHOW_SECONDS, Feed
 from ddp_notebook.live.widgets import steps_table, xray_table
 from ddp_notebook.wire.channel import FLUSH_SECONDS
-from tests.conftest import magics_driving
+from tests.support.worlds import magics_driving
 
 pytestmark = pytest.mark.integration
 

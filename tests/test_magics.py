@@ -10,7 +10,7 @@ from IPython import get_ipython
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import wait_gone
-from tests.test_kernel import Kernel
+from tests.support.kernel import Kernel
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The multi-host test infrastructure (tests/multihost.py) works, and ipyparallel's MPI, SSH
+"""The multi-host test infrastructure (tests/support/multihost.py) works, and ipyparallel's MPI, SSH
 and Slurm launchers start engines through it that register with a controller.
 
 Each test checks that every process it started is gone afterwards; the fixtures check that the
@@ -24,9 +24,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests import multihost
-from tests.conftest import wait_gone
-from tests.multihost import Network, SlurmCluster, SSHHosts, mpi_env, mpiexec_args
+from tests.support import multihost
+from tests.support.multihost import Network, SlurmCluster, SSHHosts, mpi_env, mpiexec_args
+from tests.support.processes import wait_gone
 
 # the fixtures this module uses
 multihost_network = multihost.multihost_network

@@ -25,9 +25,10 @@ from ddp_notebook.errors import CellTimeoutError
 from ddp_notebook.wire import xray as xray_wire
 from ddp_notebook.wire.xray_messages import error_answer, release_request
 from ddp_notebook.world.provisioning import ssh_hosts
-from tests import multihost
-from tests.conftest import wait_gone
-from tests.multihost import Network, SlurmCluster, SSHHosts
+from tests.support import multihost
+from tests.support.launchers import ssh_world
+from tests.support.multihost import Network, SlurmCluster, SSHHosts
+from tests.support.processes import wait_gone
 
 # the fixtures this module uses
 multihost_network = multihost.multihost_network
@@ -44,16 +45,6 @@ def tx_bytes(interface: str) -> int:
 
 # a cell that runs a collective every 0.1 s for about 10 s
 STEPS_FOR_10_S = "import time\nfor _ in range(100):\n    t = torch.ones(1); dist.all_reduce(t)\n    time.sleep(0.1)"
-
-
-def ssh_world(network: Network, ssh: SSHHosts, **options: object) -> DDPCluster:
-    return DDPCluster(
-        launcher="ssh",
-        hosts=",".join(f"{host}:1" for host in ssh.hosts),
-        ssh_args=ssh.ssh_args,
-        ip=network.address,
-        **{"backend": "gloo", "timeout": 60, "start_timeout": 120, **options},  # type: ignore[arg-type]
-    )
 
 
 def test_ssh_world_spans_two_hosts(
@@ -289,10 +280,10 @@ def test_a_lost_host_is_named_the_world_goes_on_and_restart_brings_it_back_whole
             world.stop()
 
 
-# tests/test_elastic.py's tracked run (model with dropout, SGD with momentum, a loader from
-# prepare_loader, a snapshot every 3 batches), 64 samples over 2 ranks: 8 steps an epoch; a cell
-# trains until step STOP_AT (-1: to the end), mid-epoch, the next cell going on from there, and
-# sleeps PAUSE after each step
+# the elastic tests' tracked run (tests/support/elastic_training.py: model with dropout, SGD with
+# momentum, a loader from prepare_loader, a snapshot every 3 batches), 64 samples over 2 ranks: 8
+# steps an epoch; a cell trains until step STOP_AT (-1: to the end), mid-epoch, the next cell going
+# on from there, and sleeps PAUSE after each step
 TRAIN_UNTIL = """
 import time
 while loader.epoch < 4:
@@ -328,11 +319,11 @@ def test_a_host_whose_link_goes_down_is_named_before_the_heartbeat_and_the_world
     (the controller's heartbeat would take 10), and the survivor trains on from the snapshot.
     The link back, %ddp_resize grows the world onto host 2 again; the run ends bitwise equal to
     a fault-free one in the same world with the same history of sizes (resized at the same steps)."""
-    from tests import test_elastic
+    from tests.support import elastic_training
 
     h2 = multihost_network[1]
     world = ssh_world(multihost_network, multihost_ssh)
-    build = test_elastic._build("", test_elastic.DDP, test_elastic.DROP) + test_elastic.TRACK
+    build = elastic_training.build("", elastic_training.DDP, elastic_training.DROP) + elastic_training.TRACK
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", InsecureNetworkWarning)
         world.start()
@@ -372,7 +363,7 @@ def test_a_host_whose_link_goes_down_is_named_before_the_heartbeat_and_the_world
             assert [info.host for info in world.ranks] == [multihost_network[0].name, h2.name]
             pids += [info.pid for info in world.ranks]
             _train_until(world, -1)
-            faulty = test_elastic._params(world, "")
+            faulty = elastic_training.params(world, "")
             faulty_seen = world.pull("seen")
 
             # the fault-free run: the same sizes at the same steps, by resize
@@ -384,11 +375,11 @@ def test_a_host_whose_link_goes_down_is_named_before_the_heartbeat_and_the_world
             world.resize(2)
             pids += [info.pid for info in world.ranks]
             _train_until(world, -1)
-            reference = test_elastic._params(world, "")
+            reference = elastic_training.params(world, "")
             assert world.pull("seen") == faulty_seen
             for rank in (0, 1):
-                assert test_elastic._bitwise_equal(faulty[rank], reference[rank]), f"rank {rank} differs"
-            assert test_elastic._bitwise_equal(faulty[0], faulty[1])
+                assert elastic_training.bitwise_equal(faulty[rank], reference[rank]), f"rank {rank} differs"
+            assert elastic_training.bitwise_equal(faulty[0], faulty[1])
         finally:
             world.stop()
     assert wait_gone(pids, 30) == []

@@ -11,20 +11,11 @@ import nbformat
 import pytest
 import torch
 
-from tests.conftest import ExecutedNotebooks
+from tests.support.notebooks import ExecutedNotebooks, check_dataparallel_vs_ddp, outputs_text, plotly_figures
 
 pytestmark = pytest.mark.notebook
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
-
-
-def outputs_text(notebook: nbformat.NotebookNode) -> str:
-    parts = []
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []):
-            parts.append(output.get("text", "") or output.get("data", {}).get("text/plain", ""))
-            parts.extend(output.get("traceback", []))
-    return "\n".join(parts)
 
 
 def widget_models(notebook: nbformat.NotebookNode) -> list[dict]:
@@ -47,52 +38,6 @@ def check_live_metrics(notebook: nbformat.NotebookNode, text: str) -> None:
     assert [(m["value"], m["max"]) for m in tqdm_bars] == [(4.0, 4.0)]
     figures = [m for m in models if m.get("_anywidget_id", "").endswith("FigureWidget")]
     assert len(figures) == 2 and any("'type': 'bar'" in str(m.get("_widget_data")) for m in figures)
-
-
-def plotly_figures(notebook: nbformat.NotebookNode) -> list[dict]:
-    """The plotly figures the notebook's own kernel showed (fig.show() under nbclient)."""
-    mime = "application/vnd.plotly.v1+json"
-    return [o["data"][mime] for cell in notebook.cells for o in cell.get("outputs", []) if mime in o.get("data", {})]
-
-
-STEPS_ROW = re.compile(
-    # method, processes, devices, threads each, batch each, steps/s, samples/s
-    r"^(one process(?:, 1 thread)?|DataParallel|DDP, \d+ ranks) +(\d+) +\d+ (?:cpu|cuda)"
-    r" +(\d+) +(\d+) +([\d.]+) +(\d+)$",
-    re.MULTILINE,
-)
-
-
-def check_dataparallel_vs_ddp(notebook: nbformat.NotebookNode, text: str) -> None:
-    """A steps/s row per method, the verdict computed from them, the shards and the averaged gradients."""
-    rows = {m.group(1): float(m.group(5)) for m in STEPS_ROW.finditer(text)}
-    assert "one process" in rows and any(method.startswith("DDP, ") for method in rows), rows
-    assert all(rate > 0 for rate in rows.values()), rows
-    assert "DataParallel" in rows or "DataParallel skipped:" in text
-    ddp = next(rate for method, rate in rows.items() if method.startswith("DDP, "))
-    # the verdicts are computed from the measured rates, one per other method
-    verdicts = re.findall(
-        r"^DDP, \d+ ranks ran ([\d.]+)x the steps/s of (.+): (faster|slower|about as fast)\.$", text, re.MULTILINE
-    )
-    assert sorted(method for _, method, _ in verdicts) == sorted(m for m in rows if not m.startswith("DDP, "))
-    for ratio, method, verdict in verdicts:
-        # the table rounds rates to 0.1 steps/s, the verdict uses them unrounded
-        assert float(ratio) == pytest.approx(ddp / rows[method], rel=0.06 / min(ddp, rows[method]) + 0.01, abs=0.006)
-        if min(abs(float(ratio) - 1.1), abs(float(ratio) - 0.9)) > 0.01:
-            assert verdict == ("faster" if float(ratio) > 1.1 else "slower" if float(ratio) < 0.9 else "about as fast")
-    assert re.search(r"\[rank 1\] \d+ thread\(s\), \d+ samples per step: [\d.]+ steps/s", text)
-    # DistributedSampler: two epochs, each dealt out disjointly over all 20 samples
-    assert text.count("20 samples dealt, disjoint: True, all 20 covered: True") == 2
-    assert "[rank 1] epoch 1: [" in text
-    # the gradient after backward() is the same on every rank and is the mean of the local ones
-    assert "[rank 0] every rank holds the same gradient: True" in text
-    assert re.search(r"\[rank 0\] it is the mean of the \d+ local gradients: True", text)
-    after = re.findall(r"\[rank \d+\] after backward (\[.*\])", text)
-    assert len(after) >= 2 and len(set(after)) == 1
-    shards, gradients = plotly_figures(notebook)
-    assert {trace["name"] for trace in shards["data"]} >= {"rank 0", "rank 1"}
-    assert [trace["type"] for trace in gradients["data"]][-1] == "scatter"
-    assert sum(trace["type"] == "bar" for trace in gradients["data"]) >= 2
 
 
 def check_notebook_to_script(text: str, directory: Path) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook import DDPCluster
-from tests.conftest import owned_pids, wait_gone
-from tests.test_kernel import Kernel, kernel_world_pids
-from tests.test_launchers import ipcluster, needs_mpi  # noqa: F401  (ipcluster: a fixture, `ipcluster start`)
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.launchers import needs_mpi, running_ipcluster
+from tests.support.processes import owned_pids, wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +144,13 @@ def test_a_world_that_failed_to_start_leaves_no_file(kernel: Kernel, places: tup
     assert new_files(places, before) == []
 
 
-def test_an_attached_world_leaves_the_clusters_own_files(kernel: Kernel, ipcluster: Path) -> None:  # noqa: F811
+@pytest.fixture
+def ipcluster(tmp_path: Path) -> Iterator[Path]:
+    """A 2-engine cluster started the way a user would, outside any world: `ipcluster start`."""
+    yield from running_ipcluster(tmp_path)
+
+
+def test_an_attached_world_leaves_the_clusters_own_files(kernel: Kernel, ipcluster: Path) -> None:
     theirs = files_under(ipcluster)
     assert any(path.endswith("ipcontroller-t1-client.json") for path in theirs), sorted(theirs)
     out, error = kernel.run(f"%ddp_attach --profile {ipcluster} --cluster-id t1")

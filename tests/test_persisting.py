@@ -12,26 +12,15 @@ import torch
 
 from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.rank import persisting
-from tests.conftest import wait_gone
-from tests.test_elastic import (
-    DDP,
-    DROP,
-    EPOCHS,
-    _bitwise_equal,
-    _build,
-    _ends_like,
-    _params,
-    _reference,
-    _steps_per_epoch,
-    _train,
-    _trained_in_one_process,
-)
+from tests.support import elastic_training
+from tests.support.elastic_training import DDP, DROP, EPOCHS
+from tests.support.processes import wait_gone
 
 TRACK = (
     "ddp_notebook.track(model=model, opt=opt, loader=loader, step=step, seen=seen, snapshot_every=3, "
     "persist={folder!r}, persist_every={every})"
 )
-# as tests.test_elastic's TRAIN, but every rank dies at KILL_AT, once its snapshot writer is idle
+# as tests.support.elastic_training's TRAIN, but every rank dies at KILL_AT, once its snapshot writer is idle
 TRAIN_UNTIL_ALL_KILLED = """
 import os, signal
 from ddp_notebook.rank.calls import persist_wait
@@ -62,7 +51,7 @@ def _lose_every_rank(world: DDPCluster, kill_at: int) -> list[int]:
 
 def _resume(world: DDPCluster, folder: Path, every: int, drop: float) -> str:
     setup = world.execute(
-        _build("", DDP, drop) + TRACK.format(folder=str(folder), every=every), setup=True, stream=False
+        elastic_training.build("", DDP, drop) + TRACK.format(folder=str(folder), every=every), setup=True, stream=False
     )
     # said once, by rank 0, under the cell that names the folder: what to type next
     assert (
@@ -80,10 +69,10 @@ def test_a_run_whose_every_rank_was_killed_resumes_from_disk_bitwise_equal(
     no_leaks: None, tmp_path: Path, size: int
 ) -> None:
     folder = tmp_path / "ckpt"
-    kill_at = _steps_per_epoch(size) + 5  # epoch 1, after the snapshot at its batch 3
+    kill_at = elastic_training.steps_per_epoch(size) + 5  # epoch 1, after the snapshot at its batch 3
     with DDPCluster(size, backend="gloo", timeout=60) as world:
-        reference, reference_seen = _reference(world, DDP)
-        world.execute(_build("", DDP, DROP) + TRACK.format(folder=str(folder), every=1), setup=True)
+        reference, reference_seen = elastic_training.reference(world, DDP)
+        world.execute(elastic_training.build("", DDP, DROP) + TRACK.format(folder=str(folder), every=1), setup=True)
         pids = _lose_every_rank(world, kill_at)
     assert wait_gone(pids) == []
 
@@ -98,9 +87,9 @@ def test_a_run_whose_every_rank_was_killed_resumes_from_disk_bitwise_equal(
     with DDPCluster(size, backend="gloo", timeout=60) as world:
         said = _resume(world, folder, every=1, drop=DROP)
         assert said == f"snapshot {newest} (epoch 1, batch 3) of a world of {size} ranks"
-        assert world.pull("step") == {r: _steps_per_epoch(size) + 3 for r in range(size)}
-        _train(world, "")
-        _ends_like(world, reference, reference_seen)
+        assert world.pull("step") == {r: elastic_training.steps_per_epoch(size) + 3 for r in range(size)}
+        elastic_training.train(world, "")
+        elastic_training.ends_like(world, reference, reference_seen)
         # the resumed world goes on writing there, numbered after what it resumed from
         world.execute("from ddp_notebook.rank.calls import persist_wait\nstate = persist_wait(60)")
         assert all(s["idle"] and s["error"] is None for s in world.pull("state").values())
@@ -114,8 +103,8 @@ def test_a_run_resumes_from_disk_on_another_number_of_ranks_as_one_process_would
 ) -> None:
     folder = tmp_path / "ckpt"
     with DDPCluster(2, backend="gloo", timeout=60) as world:
-        world.execute(_build("", DDP, 0.0) + TRACK.format(folder=str(folder), every=2), setup=True)
-        pids = _lose_every_rank(world, _steps_per_epoch(2) + 5)
+        world.execute(elastic_training.build("", DDP, 0.0) + TRACK.format(folder=str(folder), every=2), setup=True)
+        pids = _lose_every_rank(world, elastic_training.steps_per_epoch(2) + 5)
     assert wait_gone(pids) == []
     newest, marker = persisting.whole_snapshots(folder)[-1]
     assert marker["world_size"] == 2
@@ -123,11 +112,11 @@ def test_a_run_resumes_from_disk_on_another_number_of_ranks_as_one_process_would
     with DDPCluster(3, backend="gloo", timeout=60) as world:
         said = _resume(world, folder, every=2, drop=0.0)
         assert said.startswith(f"snapshot {newest} (") and said.endswith("of a world of 2 ranks")
-        _train(world, "")
-        params, seen = _params(world, ""), world.pull("seen")
-        assert all(_bitwise_equal(params[r], params[0]) and seen[r] == seen[0] for r in range(3))
+        elastic_training.train(world, "")
+        params, seen = elastic_training.params(world, ""), world.pull("seen")
+        assert all(elastic_training.bitwise_equal(params[r], params[0]) and seen[r] == seen[0] for r in range(3))
         # the steps before the loss on 2 ranks' batches, after it on 3 ranks': each sample once an epoch
-        for got, expected in zip(params[0], _trained_in_one_process(seen[0])):
+        for got, expected in zip(params[0], elastic_training.trained_in_one_process(seen[0])):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         pids = world.all_pids
     assert wait_gone(pids) == []
@@ -211,7 +200,7 @@ WAIT_CELL = "%%ddp\nfrom ddp_notebook.rank.calls import persist_wait\nassert per
 
 
 def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> None:
-    from tests.test_kernel import Kernel
+    from tests.support.kernel import Kernel
 
     kernel = Kernel(cwd=str(tmp_path))
     try:

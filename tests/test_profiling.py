@@ -17,7 +17,8 @@ from ddp_notebook import DDPCluster, DDPUsageError, ProfileSettings
 from ddp_notebook.cell.profiling import parse_steps, prepare_folder
 from ddp_notebook.live.profile_analysis import CATEGORIES, _sweep, _what_follows
 from ddp_notebook.live.profile_view import ProfileReport
-from tests.conftest import documented_magic_lines, magics_driving
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.worlds import magics_driving
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "seeing_inside.md"
 

@@ -32,7 +32,7 @@ from ddp_notebook.world.provisioning import (
     provisioner_for,
 )
 from ddp_notebook.world.provisioning.base import death_of
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ import pytest
 
 from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.rank.reloading import ModuleReloadError, Reloader
-from tests.conftest import documented_magic_lines, wait_gone
-from tests.test_kernel import Kernel, _outs, kernel_world_pids
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.kernel import Kernel, kernel_world_pids, outs
+from tests.support.processes import wait_gone
 
 
 @pytest.fixture
@@ -222,10 +223,10 @@ def test_the_autoreload_and_sync_magics_in_a_kernel(tmp_path: Path) -> None:
         assert error is None, out
         pids = kernel_world_pids(kernel)
         out, error = kernel.run("%%ddp\nimport kernel_model\nkernel_model.value()")
-        assert error is None and _outs(out, {0: 1, 1: 1}), out
+        assert error is None and outs(out, {0: 1, 1: 1}), out
         write(source, "def value():\n    return 2\n")
         out, error = kernel.run("%%ddp\nkernel_model.value()")
-        assert error is None and _outs(out, {0: 2, 1: 2}), out
+        assert error is None and outs(out, {0: 2, 1: 2}), out
 
         out, error = magic("%ddp_autoreload")
         assert error is None and "autoreload is on" in out, out
@@ -233,11 +234,11 @@ def test_the_autoreload_and_sync_magics_in_a_kernel(tmp_path: Path) -> None:
         assert error is None and "the ranks keep the modules they imported" in out, out
         write(source, "def value():\n    return 3\n")
         out, error = kernel.run("%%ddp\nkernel_model.value()")
-        assert error is None and _outs(out, {0: 2, 1: 2}), out
+        assert error is None and outs(out, {0: 2, 1: 2}), out
         out, error = magic("%ddp_autoreload on")
         assert error is None and "every rank reloads the modules you edit" in out, out
         out, error = kernel.run("%%ddp\nkernel_model.value()")
-        assert error is None and _outs(out, {0: 3, 1: 3}), out
+        assert error is None and outs(out, {0: 3, 1: 3}), out
         out, error = kernel.run("%ddp_autoreload maybe")
         assert "UsageError: %ddp_autoreload takes on or off, got 'maybe'" in out, out
 

@@ -51,7 +51,7 @@ def test_a_large_worlds_status_counts_its_ranks_and_shows_the_rows_worth_a_look(
 
 def test_a_large_worlds_xray_is_grouped_by_collective_and_cell_line() -> None:
     from ddp_notebook.cell.xray import describe_world
-    from tests.test_channel import waiting_in
+    from tests.support.readings import waiting_in
 
     readings = {rank: waiting_in(rank, 4.0 + rank / 100, seq=412, line=7) for rank in range(64) if rank != 9}
     readings[9] = waiting_in(9, None, line=3)

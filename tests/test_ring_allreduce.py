@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from ddp_notebook import DDPCluster
-from tests.conftest import shared_world
+from tests.support.worlds import shared_world
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "10_ring_allreduce.ipynb"
 TAG = "ring-implementation"

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from ddp_notebook.world.config import parse_ranks
-from tests.conftest import documented_magic_lines, wait_gone
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 

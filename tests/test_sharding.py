@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_notebook import DDPCluster, RankError
-from tests.conftest import shared_world
+from tests.support.worlds import shared_world
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,15 @@ import ddp_notebook
 from ddp_notebook import DDPCluster
 from ddp_notebook.world import spare
 from ddp_notebook.world.provisioning import LocalProvisioner
-from tests.conftest import pid_alive, wait_gone
-from tests.test_kernel import Kernel, kernel  # noqa: F401  (the fixture)
+from tests.support.kernel import Kernel, running_kernel
+from tests.support.processes import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def kernel() -> Iterator[Kernel]:
+    yield from running_kernel()
 
 
 @pytest.fixture
@@ -92,7 +97,7 @@ def test_no_spare_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ddp_notebook.warm_up() is False and spare.spare_pid() is None
 
 
-def test_load_ext_starts_a_template_that_ddp_stop_and_the_kernels_death_end(kernel: Kernel) -> None:  # noqa: F811
+def test_load_ext_starts_a_template_that_ddp_stop_and_the_kernels_death_end(kernel: Kernel) -> None:
     show = "import ddp_notebook.world.spare\nprint(ddp_notebook.warm_up(wait=60), ddp_notebook.world.spare.spare_pid())"
     out, error = kernel.run(f"%load_ext ddp_notebook\n{show}")
     assert error is None and out.split()[0] == "True", out

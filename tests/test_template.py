@@ -13,7 +13,7 @@ import pytest
 from ddp_notebook import DDPCluster, RankDiedError
 from ddp_notebook.world import template
 from ddp_notebook.world.provisioning import LocalProvisioner
-from tests.conftest import pid_alive, wait_gone
+from tests.support.processes import pid_alive, wait_gone
 
 pytestmark = pytest.mark.integration
 

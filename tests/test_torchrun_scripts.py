@@ -26,8 +26,8 @@ from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.rank.script_setup import backend_matches, mismatch
 from ddp_notebook.rank.state import RankContext
 from ddp_notebook.world.scripts import script_cell
-from tests.conftest import wait_gone
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.processes import wait_gone
 
 SCRIPTS = Path(__file__).parent / "torchrun_scripts"
 

@@ -18,8 +18,9 @@ import pytest
 from ddp_notebook import DDPCluster
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.live.trackers import TrackerSettings
-from tests.conftest import documented_magic_lines, wait_gone
-from tests.test_kernel import Kernel, kernel_world_pids
+from tests.support.docs_pages import documented_magic_lines
+from tests.support.kernel import Kernel, kernel_world_pids
+from tests.support.processes import wait_gone
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("mlflow")

@@ -18,7 +18,7 @@ from ddp_notebook.live.xray_readings import Collective, RankCollectives
 from ddp_notebook.rank.timing import StepClock
 from ddp_notebook.wire import xray as xray_wire
 from ddp_notebook.wire.results import RankInfo
-from tests.conftest import shared_world
+from tests.support.worlds import shared_world
 
 # ---------------------------------------------------------------- the wire to other hosts (pure logic)
 

@@ -159,9 +159,8 @@ def install() -> list[Callable[[], None]]:
     wrap("jupyter_client.manager", "KernelManager", "shutdown_kernel", KERNEL_STOP)
     wrap("jupyter_client.blocking.client", "BlockingKernelClient", "wait_for_ready", KERNEL_START)
     wrap("tests.support.kernel", "Kernel", "run", _kernel_cell_kind, _cell_limit)
-    wrap("tests.test_kernel", "Kernel", "run", _kernel_cell_kind, _cell_limit)  # where it lived before
     wrap("nbclient", "NotebookClient", "execute", NOTEBOOKS)
-    wrap("tests.binder_build", "BinderBuild", "wait", PIP)
+    wrap("tests.support.binder_build", "BinderBuild", "wait", PIP)
     for name in ("run", "check_call", "check_output"):
         wrap("subprocess", None, name, _command_kind)
     wrap("time", None, "sleep", SLEEPS)

@@ -1,6 +1,6 @@
 """Records, in order, the CUDA calls a rank's start-up makes, on a machine without a GPU.
 
-Run in a fresh process (`python -m tests.cuda_calls --out FILE ...`, from the repository
+Run in a fresh process (`python -m tests.support.cuda_calls --out FILE ...`, from the repository
 root). Right after `import torch` it replaces torch's CUDA entry points with recorders that
 pretend there are `--gpus` GPUs, then does what a GPU rank does: imports what a rank
 imports while it registers (`entrypoints._preload`), joins a one-rank world through

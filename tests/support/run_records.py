@@ -1,6 +1,6 @@
-"""What a test harness started (tests/multihost.py, tests/hub.py): its processes, known by pid and
-start time so that a reused pid is never hit, and its record on disk, so that a run killed before
-its clean-up is cleaned up by the next one. Not a test module."""
+"""What a test harness started (tests/support/multihost.py, tests/support/hub.py): its processes,
+known by pid and start time so that a reused pid is never hit, and its record on disk, so that a run
+killed before its clean-up is cleaned up by the next one. Not a test module."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
+from tests.support.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
 
 SUBNET_BASE = "10.231"  # hosts get 10.231.X.11, .12, ...; the bridge 10.231.X.1
 STATE_DIR = Path(tempfile.gettempdir()) / "ddp-multihost"
@@ -789,7 +789,7 @@ def multihost_slurm(multihost_network: Network) -> Iterator[SlurmCluster]:
         yield cluster
 
 
-if __name__ == "__main__":  # python3 tests/multihost.py: bring the hosts up, print how to use them
+if __name__ == "__main__":  # python3 tests/support/multihost.py: bring the hosts up, print how to use them
     with network_namespaces(2) as network, ssh_hosts(network) as ssh:
         print(f"bridge {network.bridge} {network.address}; hosts:")
         for host in network:

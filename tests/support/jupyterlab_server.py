@@ -1,5 +1,6 @@
 """A JupyterLab server of our own on 127.0.0.1 and the chromium that drives it (Playwright): for the
-browser tests and the browser benchmark. Stopped by its PID, with every process it started."""
+browser tests and the browser benchmark. Stopped by its PID, with every process it started. Also what
+they read of the page (`SNAPSHOT_JS`, `LARGE_JS`) and where they leave their screenshots (`ARTIFACTS`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from tests.conftest import wait_gone
+from tests.support.processes import wait_gone
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -34,6 +35,8 @@ CHROMIUM_ARGS = [
 ]
 SERVER_START_SECONDS = 60.0
 VIEWPORT = {"width": 1200, "height": 1300}
+# the screenshots of the browser tests (tests/test_browser.py, tests/test_jupyterhub.py), at the repository root
+ARTIFACTS = Path(__file__).resolve().parent.parent.parent / "test-artifacts"
 
 
 def missing_requirement() -> str | None:
@@ -186,3 +189,57 @@ def notebook_text(cells: Sequence[str]) -> str:
     return str(
         nbformat.writes(new_notebook(cells=[new_code_cell(c) for c in cells], metadata={"kernelspec": kernelspec}))
     )
+
+
+# what the page shows: the live view's bars and curves, the other plots, any error
+SNAPSHOT_JS = """() => {
+  const live = document.querySelector('.ddp-live');
+  const plot = live && live.querySelector('.js-plotly-plot');
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  return {
+    views: document.querySelectorAll('.ddp-live').length,
+    traces: plot && plot.data ? plot.data.map(t => [t.meta, t.name, t.x ? t.x.length : 0]) : [],
+    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => ({
+      label: b.innerText,
+      width: b.querySelector('.progress-bar').style.width,
+      done: b.classList.contains('ddp-bar-done'),
+    })) : [],
+    otherPlots: plots.filter(p => !p.closest('.ddp-live')).map(p => (p.data || []).map(t => t.type)),
+    // the drawn bars of each lane of a profile's timeline (plotly draws a path per bar)
+    profileLanes: plots.filter(p => !p.closest('.ddp-live') && (p.data || []).some(t => t.name === 'compute'))
+      .map(p => [...new Set(p.data.flatMap(t => Array.from(t.y || [])))].sort()
+        .concat([p.querySelectorAll('.barlayer .point path').length])),
+    otherBars: Array.from(document.querySelectorAll('.widget-hprogress'))
+      .filter(p => !p.closest('.ddp-live'))
+      .map(p => [p.parentElement.innerText, p.querySelector('.progress-bar').style.width]),
+    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
+    steps: live ? (live.querySelector('.ddp-steps') || {}).innerText || '' : '',
+    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+      .map(o => o.innerText)
+      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
+    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
+    prompts: Array.from(document.querySelectorAll('.jp-InputPrompt')).map(p => p.innerText.trim()),
+    // plotly.js being imported (or imported) by the page, once per plotly version
+    plotlyLoading: Boolean(globalThis.__ddpNotebookPlotly && globalThis.__ddpNotebookPlotly.size),
+  };
+}"""
+# what the page shows of a large world's aggregate view, and the frame gaps recorded since FRAMES_JS ran
+LARGE_JS = """() => {
+  const live = document.querySelector('.ddp-large');
+  const plots = live ? Array.from(live.querySelectorAll('.js-plotly-plot')) : [];
+  const main = plots.find(p => !p.closest('.ddp-heat'));
+  const heat = plots.find(p => p.closest('.ddp-heat'));
+  return {
+    shown: !!live,
+    bars: live ? Array.from(live.querySelectorAll('.ddp-bar')).map(b => b.innerText) : [],
+    traces: main && main.data ? main.data.map(t => [t.name, t.visible, t.x ? t.x.length : 0]) : [],
+    heat: heat && heat.data ? heat.data.map(t => [t.type, t.y ? t.y.length : 0,
+      t.z ? Array.from(t.z).flatMap(row => Array.from(row)).filter(v => v !== null && !isNaN(v)).length : 0]) : [],
+    heatCells: heat ? heat.querySelectorAll('.hm image, .heatmaplayer image').length : 0,
+    status: live ? (live.querySelector('.ddp-status') || {}).innerText || '' : '',
+    gaps: window.__frameGaps || [],
+    text: document.querySelector('.jp-Notebook') ? document.querySelector('.jp-Notebook').innerText : '',
+    errors: Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(o => o.innerText)
+      .filter(t => /Traceback|Error displaying widget|Failed to load model|Error:/.test(t)),
+  };
+}"""

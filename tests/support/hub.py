@@ -61,11 +61,11 @@ import psutil
 import pytest
 import requests
 
-from tests import memory_cgroup
-from tests.conftest import CellOutput
-from tests.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
+from tests.support import memory_cgroup
+from tests.support.kernel import CellOutput
+from tests.support.run_records import RunRecord, left_after, locked, reap_stale_runs, start_time, stop_pids
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tests/support/ is two below
 HUB_DOC = ROOT / "docs" / "jupyterhub.md"
 HUB_DOC_SECTION = "A hub to try it on"
 USERS = ("ddphub-a", "ddphub-b")
@@ -680,7 +680,7 @@ def run_in_threads(*jobs: Any, timeout: float) -> list[Any]:
     return results
 
 
-if __name__ == "__main__":  # python3 tests/hub.py: bring a hub up, print how to reach it
+if __name__ == "__main__":  # python3 tests/support/hub.py: bring a hub up, print how to reach it
     with running_hub() as running:
         print(f"hub at {running.url}; admin token {running.admin_token}; users {', '.join(running.users)}")
         print(f"log: {running.log}    (Enter to tear down)")

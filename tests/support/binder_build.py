@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tests/support/ is two below
 BINDER = ROOT / "binder"
 VENV_SECONDS = 120
 PIP_SECONDS = 480
