@@ -129,18 +129,26 @@ def installed(python: Path, names: list[str]) -> dict[str, str]:
     return json.loads(run([str(python), "-c", code, *names], 120).stdout)  # type: ignore[no-any-return]
 
 
-def prepare(name: str, releases: dict[str, str], wheel: Path, reuse: bool) -> Path:
-    """The combination's environment: its releases, then the wheel, which must change none of them."""
+def prepare_releases(name: str, releases: dict[str, str], reuse: bool) -> Path:
+    """The combination's environment with its releases (not yet the package): its python."""
     folder = HOME / name
     python = folder / "bin" / "python"
     if folder.exists() and not reuse:
         shutil.rmtree(folder)
     if not python.exists():
         run([sys.executable, "-m", "venv", str(folder)], 300)
-    environment = pip_environment(releases["torch"])
     pins = [f"{package}=={release}" for package, release in releases.items()]
     log(f"{name}: installing {' '.join(pins)}")
-    run([str(python), "-m", "pip", "install", "--quiet", *pins], INSTALL_SECONDS, env=environment)
+    run(
+        [str(python), "-m", "pip", "install", "--quiet", *pins], INSTALL_SECONDS, env=pip_environment(releases["torch"])
+    )
+    return python
+
+
+def prepare(name: str, releases: dict[str, str], wheel: Path, reuse: bool) -> Path:
+    """The combination's environment: its releases, then the wheel, which must change none of them."""
+    python = prepare_releases(name, releases, reuse)
+    environment = pip_environment(releases["torch"])
     before = installed(python, list(releases))
     # the wheel as a user installs it into the environment they have: no pins, no --no-deps
     run([str(python), "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(wheel)], 600)
@@ -152,20 +160,14 @@ def prepare(name: str, releases: dict[str, str], wheel: Path, reuse: bool) -> Pa
     return python
 
 
-def prefetch(names: list[str]) -> int:
-    """Download what the combinations install into pip's cache (the install then reads it from
-    there): CI runs this beside the main suite, niced, so the oldest lane's CUDA torch (about 3 GB)
-    is not downloaded after it."""
+def prepare_ahead(names: list[str]) -> int:
+    """Build the combinations' environments with their releases, not yet the package (a later run
+    with --reuse finds them ready and only adds the wheel): CI runs this beside the main suite, at
+    the lowest CPU and disk priority, so that the oldest lane's CUDA torch (about 3 GB) is
+    downloaded and unpacked while the suite's tests leave the network and the disk idle."""
+    HOME.mkdir(parents=True, exist_ok=True)
     for name in names:
-        releases = COMBINATIONS[name]
-        pins = [f"{package}=={release}" for package, release in releases.items()]
-        with tempfile.TemporaryDirectory(prefix="ddp-notebook-prefetch-") as scratch:
-            log(f"{name}: downloading {' '.join(pins)}")
-            run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--dest", scratch, *pins],
-                INSTALL_SECONDS,
-                env=pip_environment(releases["torch"]),
-            )
+        prepare_releases(name, COMBINATIONS[name], reuse=True)
     return 0
 
 
@@ -359,7 +361,9 @@ def main() -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/compat.json")
     parser.add_argument(
-        "--prefetch", action="store_true", help="only download the combinations' packages into pip's cache, and exit"
+        "--prepare-ahead",
+        action="store_true",
+        help="only build the combinations' environments with their releases (a later --reuse run adds the wheel)",
     )
     arguments = parser.parse_args()
     chosen = (
@@ -368,8 +372,8 @@ def main() -> int:
     unknown = [name for name in chosen if name not in COMBINATIONS]
     if unknown:
         parser.error(f"unknown combination {', '.join(unknown)}: one of {', '.join(COMBINATIONS)}")
-    if arguments.prefetch:
-        return prefetch(chosen)
+    if arguments.prepare_ahead:
+        return prepare_ahead(chosen)
     HOME.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, object]] = {}
     failed = False

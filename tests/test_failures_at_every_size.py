@@ -8,8 +8,6 @@ the cases of one size and one failing position, the others wait in every collect
 
 from __future__ import annotations
 
-import _thread
-import threading
 import time
 from collections.abc import Iterator
 
@@ -26,6 +24,7 @@ from ddp_notebook import (
 )
 from ddp_notebook.errors import name_ranks
 from ddp_notebook.wire.results import Death
+from tests.support import stop_button
 from tests.support.processes import wait_gone
 
 pytestmark = pytest.mark.integration
@@ -130,16 +129,9 @@ def test_a_failure_is_named_and_the_next_cell_works_with_state_kept(
     world = worlds.of(size)
     world.execute(f"x = torch.ones(1)\nprobe = {failing} * 100 + rank")
     code = _failing_cell(case, failing, waits_in)
-    timer = threading.Timer(1.0, _thread.interrupt_main) if case == "interrupt" else None
     began = time.monotonic()
-    if timer is not None:
-        timer.start()
-    try:
-        with pytest.raises(_EXPECTED[case]) as caught:
-            world.execute(code, stream=False, timeout=2 if case == "hang" else 60)
-    finally:
-        if timer is not None:
-            timer.cancel()
+    with stop_button.pressed_after(1.0 if case == "interrupt" else None), pytest.raises(_EXPECTED[case]) as caught:
+        world.execute(code, stream=False, timeout=2 if case == "hang" else 60)
     took = time.monotonic() - began
     assert took < SECONDS, f"{case} took {took:.1f} s"
     error = caught.value

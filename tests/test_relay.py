@@ -14,6 +14,7 @@ from ddp_notebook.cell.output import LineAssembler
 from ddp_notebook.cell.relay import DEATH_GRACE_SECONDS, CellRelay, OutputSink, PublishedData
 from ddp_notebook.live.xray_readings import RankCollectives
 from ddp_notebook.wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
+from tests.support import stop_button
 
 
 @dataclass
@@ -227,19 +228,12 @@ class StopsOnInterrupt(FakeSupervisor):
 def test_an_interrupt_the_main_thread_sees_between_statements_stops_the_cell_and_never_escapes() -> None:
     """`_thread.interrupt_main` (a Windows kernel's stop button; no signal interrupts the queue's
     wait) is raised at the next jump of the wait's loop: inside its try, at every turn."""
-    import _thread
-    import threading
-
     for delay in (0.05, 0.12, 0.2):
         relay, _, ranks = _relay(2)
         supervisor = StopsOnInterrupt(ranks)
-        timer = threading.Timer(delay, _thread.interrupt_main)
         began = time.monotonic()
-        timer.start()
-        try:
+        with stop_button.pressed_after(delay):
             ending = relay.wait(_sink(), timeout=30, supervisor=supervisor)
-        finally:
-            timer.cancel()
         assert ending is Ending.INTERRUPTED and supervisor.calls[0] == ("interrupt", (0, 1))
         assert time.monotonic() - began < 5
 
