@@ -18,9 +18,10 @@ pytest.register_assert_rewrite("tests.support")
 from tests.support.comms import RecordingComm  # noqa: E402
 from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks  # noqa: E402
 from tests.support.processes import owned_pids, profile_files, wait_gone  # noqa: E402
+from tests.support.spare_keeper import spare_pid  # noqa: E402
 from tests.support.worlds import shared_world  # noqa: E402
 
-pytest_plugins = ["tests.support.costs"]
+pytest_plugins = ["tests.support.costs", "tests.support.lanes", "tests.support.spare_keeper"]
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,8 @@ def no_leaks() -> Iterator[None]:
     """Fail a test that leaves child processes, or files in the ipyparallel profile, behind."""
     before, files_before = owned_pids(), profile_files()
     yield
-    leftover = wait_gone(sorted(owned_pids() - before))
+    # the spare template kept for the next world is the session's (tests/support/spare_keeper.py)
+    leftover = wait_gone(sorted(owned_pids() - before - {spare_pid()}))
     assert leftover == [], f"processes left running: {leftover}"
     assert sorted(profile_files() - files_before) == [], "files left in the ipyparallel profile"
 

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.core
+@pytest.mark.fast  # the fast lane's proof of DDP itself, on the shared world
 def test_ddp_matches_one_process_on_the_combined_batch(world: DDPCluster) -> None:
     world.push({"MODEL_CODE": MODEL_CODE, "STEPS": STEPS, "BATCH": BATCH_PER_RANK, "LR": LR})
     world.execute(

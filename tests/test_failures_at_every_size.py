@@ -82,7 +82,11 @@ def _matrix() -> Iterator[object]:
                 # each (size, position) meets every collective once across the cases
                 names = MISMATCHED if case == "mismatch" else list(COLLECTIVES)
                 waits_in = names[(c + p + size) % len(names)]
-                yield pytest.param(size, case, failing, waits_in, id=f"{size}ranks-{case}-{where}-{waits_in}")
+                # the fast lane (-m fast) takes every case with the first rank failing: a real world per size
+                marks = [pytest.mark.fast] if where == "first" else []
+                yield pytest.param(
+                    size, case, failing, waits_in, id=f"{size}ranks-{case}-{where}-{waits_in}", marks=marks
+                )
 
 
 class Worlds:

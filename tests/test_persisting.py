@@ -199,6 +199,7 @@ for _ in range(5):
 WAIT_CELL = "%%ddp\nfrom ddp_notebook.rank.calls import persist_wait\nassert persist_wait(60)['idle']"
 
 
+@pytest.mark.integration  # a kernel and a world of its own
 def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> None:
     from tests.support.kernel import Kernel
 

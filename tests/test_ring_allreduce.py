@@ -42,6 +42,8 @@ if rank in members:
 dist.destroy_process_group(ring)
 """
 
+pytestmark = pytest.mark.integration  # every test runs on a real world: the shared one or four ranks
+
 
 def ring_source() -> str:
     """The body of the notebook's %%ddp cell tagged `ring-implementation`."""

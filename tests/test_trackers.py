@@ -219,6 +219,7 @@ def documented_lines() -> list[str]:
     return documented_magic_lines(DOCS, "Experiment trackers")
 
 
+@pytest.mark.integration  # a kernel and a world of its own
 def test_the_tracker_magics_in_a_kernel(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 

@@ -1,0 +1,83 @@
+"""A rank template kept ready in the test process, as `%load_ext ddp_notebook` keeps one in a kernel.
+
+A world started in a process with no spare template starts one of its own first: about 6 s of
+importing torch, on every `DDPCluster(...).start()` of the suite. Here a spare is started when the
+session starts, and again a second after a world took it, so that it imports torch while the test
+that took the last one runs its cells (waiting out limits, mostly), and the next test's world forks
+its ranks at once. It is the session's, not a test's: the leak checks leave out its PID
+(`spare_pid`). The modules that test the template and the spare themselves run without one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+import ddp_notebook
+from ddp_notebook.world import spare
+
+# their tests start worlds without a spare, watch the spare itself, or what an unstarted world holds
+WITHOUT_SPARE = frozenset({"test_spare.py", "test_template.py", "test_provisioning.py"})
+# a world that took the spare is still forking its ranks and joining its group for about this long:
+# the next spare's imports would only slow that down
+AFTER_A_TAKE_SECONDS = 1.0
+
+
+class Keeper:
+    """A thread that starts a spare whenever none waits, while the running test wants one."""
+
+    def __init__(self) -> None:
+        self.wanted = threading.Event()
+        self.ending = threading.Event()
+        self.thread = threading.Thread(target=self._keep, name="spare-keeper", daemon=True)
+
+    def _keep(self) -> None:
+        missing_since: float | None = None
+        while not self.ending.wait(0.25):
+            if not self.wanted.is_set() or spare.spare_pid() is not None:
+                missing_since = None
+                continue
+            now = time.monotonic()
+            missing_since = missing_since or now
+            if now - missing_since >= AFTER_A_TAKE_SECONDS:
+                ddp_notebook.warm_up()
+                missing_since = None
+
+    def want(self, wanted: bool) -> None:
+        if wanted:
+            self.wanted.set()
+        else:
+            self.wanted.clear()
+            ddp_notebook.discard_warm_up()
+
+
+KEEPER = Keeper()
+
+
+def spare_pid() -> int | None:
+    """The PID of the spare waiting now, if one does: the session's, never a test's leftover."""
+    return spare.spare_pid()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _spare_keeper() -> Iterator[None]:
+    KEEPER.thread.start()
+    try:
+        yield
+    finally:
+        KEEPER.ending.set()
+        KEEPER.thread.join(5)
+        ddp_notebook.discard_warm_up()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    wanted = Path(str(item.path)).name not in WITHOUT_SPARE
+    KEEPER.want(wanted)
+    if wanted:
+        ddp_notebook.warm_up()  # at once, not a beat later: the test's fixtures may start a world now
+    yield
