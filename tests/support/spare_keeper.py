@@ -2,10 +2,12 @@
 
 A world started in a process with no spare template starts one of its own first: about 6 s of
 importing torch, on every `DDPCluster(...).start()` of the suite. Here a spare is started when the
-session starts, and again a second after a world took it, so that it imports torch while the test
-that took the last one runs its cells (waiting out limits, mostly), and the next test's world forks
-its ranks at once. It is the session's, not a test's: the leak checks leave out its PID
-(`spare_pid`). The modules that test the template and the spare themselves run without one.
+first test that may start a world (not a unit test: tests/support/lanes.py) sets up, and again a
+second after a world took it, so that it imports torch while the test that took the last one runs
+its cells (waiting out limits, mostly), and the next test's world forks its ranks at once. Unit
+tests start none: their timings run beside no template's imports. It is the session's, not a
+test's: the leak checks leave out its PID (`spare_pid`). The modules that test the template and the
+spare themselves run without one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 import ddp_notebook
 from ddp_notebook.world import spare
+from tests.support import lanes
 
 # their tests start worlds without a spare, watch the spare itself, or what an unstarted world holds
 WITHOUT_SPARE = frozenset({"test_spare.py", "test_template.py", "test_provisioning.py"})
@@ -52,7 +55,6 @@ class Keeper:
             self.wanted.set()
         else:
             self.wanted.clear()
-            ddp_notebook.discard_warm_up()
 
 
 KEEPER = Keeper()
@@ -76,8 +78,12 @@ def _spare_keeper() -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    wanted = Path(str(item.path)).name not in WITHOUT_SPARE
-    KEEPER.want(wanted)
-    if wanted:
+    if Path(str(item.path)).name in WITHOUT_SPARE:
+        KEEPER.want(False)
+        ddp_notebook.discard_warm_up()
+    elif item.stash.get(lanes.UNIT, False):
+        KEEPER.want(False)  # a unit test starts no world: no template importing torch beside its timings
+    else:
+        KEEPER.want(True)
         ddp_notebook.warm_up()  # at once, not a beat later: the test's fixtures may start a world now
     yield
