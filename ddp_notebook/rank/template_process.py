@@ -23,7 +23,8 @@ from ddp_notebook.platform.processes import OWNER_PID_ENV, SLOT_ENV
 OWNER_POLL_SECONDS = 0.2
 
 
-def _preload() -> None:
+def preload() -> None:
+    """Import what every rank needs, once (a process forked after this imports nothing again)."""
     import torch._dynamo  # before any process group: see rank.release_group
     import torch.distributed  # noqa: F401
     from ipyparallel.controller import app as controller_app  # noqa: F401
@@ -43,7 +44,7 @@ def _preload() -> None:
 
 def template_main(socket_path: str) -> None:
     """Serve fork requests on `socket_path` until told to stop or the owning kernel dies."""
-    _preload()
+    preload()
     # what was imported stays for good: kept out of the collector, a fork's first collections
     # do not walk (and so copy, page by page) torch's hundreds of thousands of objects
     gc.freeze()

@@ -65,6 +65,16 @@ def start_spare(wait: float = 0.0) -> bool:
     return True
 
 
+def hand_over(started: template.TemplateClient) -> None:
+    """Make `started`, a template started by other means (the test suite forks its spares from one
+    template of its own), the spare the next local world takes; a spare waiting is ended."""
+    global _spare, _signature
+    with _lock:
+        waiting, _spare, _signature = _spare, started, _start_signature()
+    if waiting is not None:
+        waiting.stop()
+
+
 def take_spare(rank_env: Mapping[str, str]) -> template.TemplateClient | None:
     """The spare template for a world whose ranks get `rank_env`, if it suits them (it is then theirs)."""
     global _spare

@@ -1,17 +1,21 @@
 """A rank template kept ready in the test process, as `%load_ext ddp_notebook` keeps one in a kernel.
 
 A world started in a process with no spare template starts one of its own first: about 6 s of
-importing torch, on every `DDPCluster(...).start()` of the suite. Here a spare is started when the
+importing torch, on every `DDPCluster(...).start()` of the suite. Here a spare is ready when the
 first test that may start a world (not a unit test: tests/support/lanes.py) sets up, and again a
-second after a world took it, so that it imports torch while the test that took the last one runs
-its cells (waiting out limits, mostly), and the next test's world forks its ranks at once. Unit
-tests start none: their timings run beside no template's imports. It is the session's, not a
-test's: the leak checks leave out its PID (`spare_pid`). The modules that test the template and the
-spare themselves run without one.
+second after a world took it, so the next test's world forks its ranks at once. Each spare is a
+fork of one template kept for the session (tests/support/template_source.py): it imports torch
+once, where a spare started afresh would import it again for every world (8 s of a core each, on
+a machine of two). Where that source does not suit (another interpreter or start-up environment),
+a spare starts afresh as a kernel's does (`ddp_notebook.warm_up`). Unit tests start none: their
+timings run beside no template's imports. Both are the session's, not a test's: the leak checks
+leave out their PIDs (`session_pids`). The modules that test the template and the spare
+themselves run without them.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -20,8 +24,9 @@ from pathlib import Path
 import pytest
 
 import ddp_notebook
-from ddp_notebook.world import spare
+from ddp_notebook.world import spare, template
 from tests.support import lanes
+from tests.support.template_source import TemplateSource
 
 # their tests start worlds without a spare, watch the spare itself, or what an unstarted world holds;
 # or they set the environment of hosts, a Slurm cluster or a hub, whose teardown counts every process
@@ -30,6 +35,7 @@ WITHOUT_SPARE = frozenset(
     {
         "test_spare.py",
         "test_template.py",
+        "test_template_source.py",
         "test_provisioning.py",
         "test_multinode.py",
         "test_multihost_infra.py",
@@ -60,7 +66,7 @@ class Keeper:
             now = time.monotonic()
             missing_since = missing_since or now
             if now - missing_since >= AFTER_A_TAKE_SECONDS:
-                ddp_notebook.warm_up()
+                start_spare()
                 missing_since = None
 
     def want(self, wanted: bool) -> None:
@@ -71,11 +77,26 @@ class Keeper:
 
 
 KEEPER = Keeper()
+SOURCE = TemplateSource()
+_starting = threading.Lock()  # the keeper's thread and a test's setup: one spare, not two
 
 
-def spare_pid() -> int | None:
-    """The PID of the spare waiting now, if one does: the session's, never a test's leftover."""
-    return spare.spare_pid()
+def start_spare() -> None:
+    """A spare, forked from the session's source where it suits, started afresh otherwise; as
+    `ddp_notebook.warm_up` does, none where spares are off or ranks cannot be forked."""
+    with _starting:
+        if spare.spare_pid() is not None or os.environ.get(spare.SPARE_ENV, "1") == "0":
+            return
+        forked = SOURCE.fork_template() if template.can_fork_ranks({}) is None else None
+        if forked is not None:
+            spare.hand_over(forked)
+        else:
+            ddp_notebook.warm_up()
+
+
+def session_pids() -> set[int]:
+    """The PIDs of the spare waiting now and of its source: the session's, never a test's leftover."""
+    return {pid for pid in (spare.spare_pid(), SOURCE.pid) if pid is not None}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -87,6 +108,7 @@ def _spare_keeper() -> Iterator[None]:
         KEEPER.ending.set()
         KEEPER.thread.join(5)
         ddp_notebook.discard_warm_up()
+        SOURCE.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -98,5 +120,5 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
         KEEPER.want(False)  # a unit test starts no world: no template importing torch beside its timings
     else:
         KEEPER.want(True)
-        ddp_notebook.warm_up()  # at once, not a beat later: the test's fixtures may start a world now
+        start_spare()  # at once, not a beat later: the test's fixtures may start a world now
     yield
