@@ -3,6 +3,8 @@ per session, and process-leak checks."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,16 +14,25 @@ import pytest
 
 from ddp_notebook import DDPCluster
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each worker process of `pytest -n` has an ipyparallel profile of its own: the leak checks
+    # compare the profile's files before and after a test, and another worker's worlds write there too
+    os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix=f"ddp-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
+
 # what the tests share keeps pytest's assert messages, as it had in the modules it came from
 pytest.register_assert_rewrite("tests.support")
 
 from tests.support.comms import RecordingComm  # noqa: E402
 from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks  # noqa: E402
 from tests.support.processes import owned_pids, profile_files, wait_gone  # noqa: E402
-from tests.support.spare_keeper import spare_pid  # noqa: E402
+from tests.support.spare_keeper import session_pids  # noqa: E402
 from tests.support.worlds import shared_world  # noqa: E402
 
-pytest_plugins = ["tests.support.costs", "tests.support.lanes", "tests.support.spare_keeper"]
+pytest_plugins = [
+    "tests.support.costs",
+    "tests.support.lanes",
+    "tests.support.spare_keeper",
+]
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +46,8 @@ def no_leaks() -> Iterator[None]:
     """Fail a test that leaves child processes, or files in the ipyparallel profile, behind."""
     before, files_before = owned_pids(), profile_files()
     yield
-    # the spare template kept for the next world is the session's (tests/support/spare_keeper.py)
-    leftover = wait_gone(sorted(owned_pids() - before - {spare_pid()}))
+    # the spare template kept for the next world, and its source, are the session's (tests/support/spare_keeper.py)
+    leftover = wait_gone(sorted(owned_pids() - before - session_pids()))
     assert leftover == [], f"processes left running: {leftover}"
     assert sorted(profile_files() - files_before) == [], "files left in the ipyparallel profile"
 
