@@ -43,6 +43,17 @@ class Run:
     wall: float  # the run's own time, as pytest reported it
     cases: list[Case]
 
+    @property
+    def test_seconds(self) -> float:
+        """The seconds the tests took, one after another: more than the wall time where they ran
+        in parallel (`pytest -n`)."""
+        return sum(case.seconds for case in self.cases)
+
+    @property
+    def charged(self) -> float:
+        """What the kinds of cost add up to: the wall time, or the tests' seconds of a parallel run."""
+        return max(self.wall, self.test_seconds)
+
     def by_kind(self) -> dict[str, float]:
         totals: dict[str, float] = defaultdict(float)
         for case in self.cases:
@@ -133,8 +144,10 @@ def kinds_table(run: Run, before: Run | None, markdown: bool) -> str:
     table = Table(header, markdown)
     for kind in sorted(set(now) | set(then), key=lambda k: -now.get(k, 0.0)):
         was = [minutes(then.get(kind, 0.0))] if before else []
-        table.add(kind, *was, minutes(now.get(kind, 0.0)), f"{100 * now.get(kind, 0.0) / max(run.wall, 1e-9):.0f}%")
-    table.add("**all**" if markdown else "all", *([minutes(before.wall)] if before else []), minutes(run.wall), "100%")
+        share = 100 * now.get(kind, 0.0) / max(run.charged, 1e-9)
+        table.add(kind, *was, minutes(now.get(kind, 0.0)), f"{share:.0f}%")
+    all_label = "**all**" if markdown else "all"
+    table.add(all_label, *([minutes(before.charged)] if before else []), minutes(run.charged), "100%")
     return table.render()
 
 
@@ -170,7 +183,8 @@ def slowest_table(run: Run, count: int, markdown: bool) -> str:
 
 def summary(run: Run, label: str) -> str:
     counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(run.outcomes().items()))
-    return f"{label}: {minutes(run.wall)} wall, {counts}"
+    parallel = f" ({minutes(run.test_seconds)} of tests, run in parallel)" if run.test_seconds > run.wall else ""
+    return f"{label}: {minutes(run.wall)} wall{parallel}, {counts}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ pytest.register_assert_rewrite("tests.support")
 
 from tests.support.comms import RecordingComm  # noqa: E402
 from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks  # noqa: E402
+from tests.support.parallel import is_worker  # noqa: E402
 from tests.support.processes import owned_pids, profile_files, wait_gone  # noqa: E402
 from tests.support.spare_keeper import session_pids  # noqa: E402
 from tests.support.worlds import shared_world  # noqa: E402
@@ -32,6 +33,7 @@ pytest_plugins = [
     "tests.support.costs",
     "tests.support.lanes",
     "tests.support.spare_keeper",
+    "tests.support.parallel",
 ]
 
 
@@ -80,8 +82,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def binder_build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The Binder test's environment (a tests.support.binder_build.BinderBuild), built from the session's
     start at nice 19 beside the other tests, where that test is to run (None elsewhere): it is
-    mostly pip on one core, which the tests before it leave idle much of the time."""
-    if not any(item.path == BINDER_TEST for item in request.session.items):
+    mostly pip on one core, which the tests before it leave idle much of the time. Under `pytest -n`
+    every worker collects every test, and which one runs it is known only then: the test builds it."""
+    if is_worker() or not any(item.path == BINDER_TEST for item in request.session.items):
         yield None
         return
     from tests.support.binder_build import BinderBuild

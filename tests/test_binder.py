@@ -45,15 +45,17 @@ import nbformat
 import pytest
 
 from ddp_notebook.platform import devices
-from tests.support.binder_build import BinderBuild, run_checked
+from tests.support.binder_build import PIP_SECONDS, POSTBUILD_SECONDS, VENV_SECONDS, BinderBuild, run_checked
 from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks
 
-pytestmark = [pytest.mark.binder, pytest.mark.timeout(900)]
+# the build (where the session did not start it: under pytest -n) and the tour, beside another worker
+pytestmark = [pytest.mark.binder, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY_LIMIT_MB = 2048  # mybinder.org: at least 1 GB, at most 2 GB per session
 NOTEBOOK_CELL_SECONDS = 300
-RUNNER_SECONDS = 600
+BUILT_HERE_SECONDS = VENV_SECONDS + PIP_SECONDS + POSTBUILD_SECONDS  # each step's own limit, one after another
+RUNNER_SECONDS = 900  # the whole tour: about 300 s alone, more beside a second worker (pytest -n)
 
 
 def processes_under(prefix: Path) -> list[int]:
@@ -186,7 +188,10 @@ def test_binder_environment_runs_every_notebook(
 ) -> None:
     # steps 1-3, built since the session started (or now, where the session did not start it)
     began = time.monotonic()
-    build = (binder_build or BinderBuild(tmp_path / "build", background=False).start()).wait()
+    if binder_build is not None:
+        build = binder_build.wait()
+    else:
+        build = BinderBuild(tmp_path / "build", background=False).start().wait(BUILT_HERE_SECONDS)
     waited = time.monotonic() - began
     repo, venv, log, env, dropped = build.repo, build.venv, build.log, build.env, build.dropped
     vpython = str(build.python)

@@ -1,0 +1,74 @@
+"""The suite on two worker processes (`pytest -n 2`, pytest-xdist): which tests run one at a time.
+
+Much of a test's time is a world waiting out what its behaviour needs (a collective's timeout, a
+heartbeat, a host's silence): on the 2-core machine one test process keeps the cores busy about
+half the time, and two keep them busy. Each worker is a test process of its own, with its own
+shared world, spare template and source (tests/support/spare_keeper.py), its own processes
+(owned_pids) and its own ipyparallel profile (tests/conftest.py). What stays one at a time:
+
+- the modules that use what the machine has one of (network-namespace hosts with their sshd and
+  Slurm daemons, a hub and its Linux users, cgroups, chromium with JupyterLab, whose live view's
+  timings a second worker's load would stretch): one after another, on one worker;
+- the tour's notebooks: the Binder test's runs serve tests/test_notebooks.py and the docs site in the
+  same test process (tests/conftest.py's ExecutedNotebooks), so the three run on one worker.
+
+Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`);
+the others go module by module (a module's fixtures are set up once). The groups are handed out
+first: the longest work starts first, and the rest fills in around it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ONE_MACHINE = "what the machine has one of"
+TOUR = "the tour's notebooks"
+GROUPS = {
+    ONE_MACHINE: frozenset(
+        {
+            "test_multinode.py",
+            "test_multihost_infra.py",
+            "test_jobs.py",
+            "test_fault_storm.py",
+            "test_jupyterhub.py",
+            "test_limits.py",
+            "test_browser.py",
+        }
+    ),
+    TOUR: frozenset({"test_binder.py", "test_notebooks.py", "test_docs_site.py"}),
+}
+
+
+def is_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def group_of(path: Path) -> str | None:
+    return next((group for group, names in GROUPS.items() if path.name in names), None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    # before pytest-xdist picks its default (`load`, test by test, which would set up a module's
+    # fixtures on both workers and split the groups)
+    if config.getoption("numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not is_worker() or config.getoption("dist", "no") != "loadgroup":
+        return
+    grouped = []
+    for item in items:
+        group = group_of(Path(str(item.path)))
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+            grouped.append(item)
+    order = list(GROUPS)
+    grouped.sort(key=lambda item: order.index(group_of(Path(str(item.path)))))  # type: ignore[arg-type]
+    first = {id(item) for item in grouped}
+    items[:] = grouped + [item for item in items if id(item) not in first]
