@@ -6,7 +6,9 @@ cluster's files where they are."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,14 +49,19 @@ def new_files(roots: tuple[Path, ...], before: set[str], seconds: float = SETTLE
 
 
 @pytest.fixture
-def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
-    """An IPython folder and a temporary folder of the kernel's own: only its files are there."""
-    ipython, temporary = tmp_path / "ipython", tmp_path / "tmp"
+def places(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Path]]:
+    """An IPython folder and a temporary folder of the kernel's own: only its files are there.
+
+    The temporary folder is made directly in the system's: the Unix sockets made in it must fit
+    108 bytes, which a folder under pytest's tmp_path (longer under pytest -n) may not leave."""
+    ipython, temporary = tmp_path / "ipython", Path(tempfile.mkdtemp(prefix="ddp-nlb-"))
     ipython.mkdir()
-    temporary.mkdir()
     monkeypatch.setenv("IPYTHONDIR", str(ipython))  # the kernel started next inherits both
     monkeypatch.setenv("TMPDIR", str(temporary))
-    return ipython, temporary
+    try:
+        yield ipython, temporary
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 @pytest.fixture
