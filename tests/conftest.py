@@ -13,6 +13,7 @@ import comm
 import pytest
 
 from ddp_notebook import DDPCluster
+from ddp_notebook.world import spare
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # each worker process of `pytest -n` has an ipyparallel profile of its own: the leak checks
@@ -52,6 +53,15 @@ def no_leaks() -> Iterator[None]:
     leftover = wait_gone(sorted(owned_pids() - before - session_pids()))
     assert leftover == [], f"processes left running: {leftover}"
     assert sorted(profile_files() - files_before) == [], "files left in the ipyparallel profile"
+
+
+@pytest.fixture
+def no_spare_left() -> Iterator[None]:
+    """Fail a test that leaves a spare template (one `warm_up()` or `spare.hand_over` made) waiting."""
+    yield
+    pid = spare.spare_pid()
+    spare.discard_spare()
+    assert pid is None or wait_gone([pid]) == []
 
 
 @pytest.fixture(scope="session")

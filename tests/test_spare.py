@@ -25,14 +25,6 @@ def kernel() -> Iterator[Kernel]:
     yield from running_kernel()
 
 
-@pytest.fixture
-def no_spare_left() -> Iterator[None]:
-    yield
-    pid = spare.spare_pid()
-    spare.discard_spare()
-    assert pid is None or wait_gone([pid]) == []
-
-
 def test_a_warmed_up_template_forks_the_next_worlds_controller_and_ranks(no_spare_left: None) -> None:
     assert ddp_notebook.warm_up(wait=60)
     template_pid = spare.spare_pid()

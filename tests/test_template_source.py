@@ -30,14 +30,6 @@ def source() -> Iterator[TemplateSource]:
         started.stop()
 
 
-@pytest.fixture
-def no_spare_left() -> Iterator[None]:
-    yield
-    pid = spare.spare_pid()
-    spare.discard_spare()
-    assert pid is None or wait_gone([pid]) == []
-
-
 def test_a_spare_forked_from_the_source_forks_a_world_and_ends_with_it(
     source: TemplateSource, no_spare_left: None
 ) -> None:
