@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 # the source imports only what a template imports (the kernel's side is imported where it is used)
 from ddp_notebook.platform.processes import OWNER_PID_ENV, owner_environment
+from tests.support.processes import pid_alive
 
 if TYPE_CHECKING:
     from ddp_notebook.world.template import TemplateClient
@@ -146,7 +147,7 @@ class ForkedProcess:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _running(self.pid):
+        if self.returncode is None and not pid_alive(self.pid):
             self.returncode = -1
         return self.returncode
 
@@ -163,14 +164,6 @@ class ForkedProcess:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def startup_signature() -> tuple[str, tuple[tuple[str, str], ...]]:
