@@ -34,12 +34,6 @@ _spare: template.TemplateClient | None = None
 _signature: tuple[str, tuple[tuple[str, str], ...]] = ("", ())
 
 
-def _start_signature() -> tuple[str, tuple[tuple[str, str], ...]]:
-    """What a template depends on from the moment it starts: the interpreter and its start-up variables."""
-    startup = {name: value for name, value in os.environ.items() if template.reads_at_startup(name)}
-    return sys.executable, tuple(sorted(startup.items()))
-
-
 def start_spare(wait: float = 0.0) -> bool:
     """Start a spare template in the background; with `wait`, wait up to that long until it is ready.
 
@@ -55,7 +49,7 @@ def start_spare(wait: float = 0.0) -> bool:
                 spare.stop()  # it died: remove what is left of it
             spare = template.TemplateClient(sys.executable, owner_environment())
             spare.start()
-            _spare, _signature = spare, _start_signature()
+            _spare, _signature = spare, template.start_signature()
     if wait <= 0:
         return True
     try:
@@ -70,7 +64,7 @@ def hand_over(started: template.TemplateClient) -> None:
     template of its own), the spare the next local world takes; a spare waiting is ended."""
     global _spare, _signature
     with _lock:
-        waiting, _spare, _signature = _spare, started, _start_signature()
+        waiting, _spare, _signature = _spare, started, template.start_signature()
     if waiting is not None:
         waiting.stop()
 
@@ -82,7 +76,7 @@ def take_spare(rank_env: Mapping[str, str]) -> template.TemplateClient | None:
         spare, _spare = _spare, None
     if spare is None:
         return None
-    if spare.running and _signature == _start_signature() and template.can_fork_ranks(rank_env) is None:
+    if spare.running and _signature == template.start_signature() and template.can_fork_ranks(rank_env) is None:
         return spare
     spare.stop()
     return None

@@ -50,6 +50,20 @@ def reads_at_startup(name: str) -> bool:
     return name in _STARTUP_VARIABLES or name.startswith("LD_")
 
 
+def start_signature() -> tuple[str, tuple[tuple[str, str], ...]]:
+    """What a template depends on from the moment it starts: the interpreter and its start-up variables."""
+    startup = {name: value for name, value in os.environ.items() if reads_at_startup(name)}
+    return sys.executable, tuple(sorted(startup.items()))
+
+
+def start_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """The environment a template started now gets: this process's, with `environment` on top."""
+    env = {**os.environ, **environment, "PYTHONUNBUFFERED": "1"}
+    # the template's own BLAS pool stays at one thread; each rank sets its threads when it joins
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 class TemplateClient:
     """Starts a template process and asks it for ranks; hears how each one ended."""
 
@@ -84,9 +98,7 @@ class TemplateClient:
 
     def start(self) -> None:
         """Start the template (its imports then run while other things start)."""
-        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
-        # the template's own BLAS pool stays at one thread; each rank sets its threads when it joins
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = start_environment(self.environment)
         with open(self.log_path, "ab") as log_file:
             self.process = subprocess.Popen(
                 [self.python, "-m", "ddp_notebook.rank.template_process", self.socket_path],

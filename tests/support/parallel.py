@@ -62,13 +62,13 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not is_worker() or config.getoption("dist", "no") != "loadgroup":
         return
-    grouped = []
+    groups = list(GROUPS)
+    grouped: list[tuple[int, pytest.Item]] = []
     for item in items:
         group = group_of(Path(str(item.path)))
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-            grouped.append(item)
-    order = list(GROUPS)
-    grouped.sort(key=lambda item: order.index(group_of(Path(str(item.path)))))  # type: ignore[arg-type]
-    first = {id(item) for item in grouped}
-    items[:] = grouped + [item for item in items if id(item) not in first]
+            grouped.append((groups.index(group), item))
+    grouped.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
+    first = {id(item) for _, item in grouped}
+    items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]

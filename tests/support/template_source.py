@@ -30,14 +30,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-# the source imports only what a template imports (the kernel's side is imported where it is used)
 from ddp_notebook.platform.processes import OWNER_PID_ENV, owner_environment
+from ddp_notebook.world import template  # the standard library only: nothing a template lacks
 from tests.support.processes import pid_alive
-
-if TYPE_CHECKING:
-    from ddp_notebook.world.template import TemplateClient
 
 READY_SECONDS = 90.0  # its imports, on a machine the tests keep busy
 REPLY_SECONDS = 10.0
@@ -166,28 +163,12 @@ class ForkedProcess:
             pass
 
 
-def startup_signature() -> tuple[str, tuple[tuple[str, str], ...]]:
-    """What a template depends on from its start: the interpreter and the variables Python reads then."""
-    from ddp_notebook.world.template import reads_at_startup
-
-    startup = {name: value for name, value in os.environ.items() if reads_at_startup(name)}
-    return sys.executable, tuple(sorted(startup.items()))
-
-
-def template_environment() -> dict[str, str]:
-    """The environment TemplateClient.start gives a template started now."""
-    env = {**os.environ, **owner_environment(), "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def fork_template(source_socket: str) -> TemplateClient | None:
+def fork_template(source_socket: str) -> template.TemplateClient | None:
     """A template forked by the source listening at `source_socket`, for this process as one it
     started now (its environment, its PID as the owner); None if the source does not answer."""
-    from ddp_notebook.world.template import TemplateClient
-
-    client = TemplateClient(sys.executable, owner_environment())
-    request = {"socket": client.socket_path, "log": client.log_path, "env": template_environment()}
+    client = template.TemplateClient(sys.executable, owner_environment())
+    env = template.start_environment(client.environment)
+    request = {"socket": client.socket_path, "log": client.log_path, "env": env}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(REPLY_SECONDS)
@@ -209,7 +190,7 @@ class TemplateSource:
         self.process: subprocess.Popen[bytes] | None = None
         self.directory = ""
         self.path = ""
-        self.signature = startup_signature()
+        self.signature = template.start_signature()
         self._lock = threading.Lock()
 
     @property
@@ -220,9 +201,9 @@ class TemplateSource:
         with self._lock:
             if self.pid is None and not self._start():
                 return None
-            return self.path if startup_signature() == self.signature else None
+            return self.path if template.start_signature() == self.signature else None
 
-    def fork_template(self) -> TemplateClient | None:
+    def fork_template(self) -> template.TemplateClient | None:
         path = self.socket_path()
         return fork_template(path) if path is not None else None
 
@@ -238,10 +219,10 @@ class TemplateSource:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=template_environment(),
+                env=template.start_environment(owner_environment()),
                 start_new_session=True,
             )
-        self.signature = startup_signature()
+        self.signature = template.start_signature()
         deadline = time.monotonic() + READY_SECONDS
         while time.monotonic() < deadline and self.process.poll() is None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
