@@ -21,10 +21,11 @@ CONTROLLER_CHECK_SECONDS = 2.0
 CONTROLLER_ANSWER_SECONDS = 3.0
 # any other question to the controller
 QUERY_SECONDS = 10.0
-# the controller records a finished request a moment after its reply reached us: a rank it
-# calls busy is asked about again this often, this long apart, before we believe it
-SETTLE_TRIES = 4
-SETTLE_SECONDS = 0.02
+# the controller records a finished request a moment after its reply reached us (later still
+# with many ranks on few cores): a rank it calls busy is asked about again this often, this
+# long apart (half a second in all), before we believe it
+SETTLE_TRIES = 11
+SETTLE_SECONDS = 0.05
 
 
 class ControllerLink:
