@@ -85,6 +85,11 @@ def file_of(classname: str) -> str:
     return classname
 
 
+def test_name(name: str) -> str:
+    """A test's name without the group pytest-xdist appends under `--dist loadgroup` (`test_a@tour`)."""
+    return name[: name.rindex("@")] if name.rfind("@") > name.rfind("]") else name
+
+
 def read(path: Path) -> Run:
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -104,7 +109,7 @@ def read(path: Path) -> Run:
             cases.append(
                 Case(
                     file_of(testcase.get("classname", "")),
-                    testcase.get("name", ""),
+                    test_name(testcase.get("name", "")),
                     float(testcase.get("time", 0)),
                     outcome,
                     kinds,

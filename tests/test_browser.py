@@ -44,7 +44,7 @@ for epoch in ddp_notebook.progress(range({EPOCHS}), desc="epoch"):
         loss.backward()
         optimizer.step()
         ddp_notebook.log(loss=loss.item())
-        time.sleep(0.03)  # slow enough to watch it live
+        time.sleep(0.06)  # slow enough to watch it live, on a loaded machine too
 """
 # the user's own widgets, shown from one rank
 OWN_WIDGETS_CELL = """%%ddp --ranks 0

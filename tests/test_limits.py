@@ -188,12 +188,38 @@ def test_out_of_memory_kills_are_told_from_the_counters(tmp_path: Path) -> None:
     platform = Platform(tmp_path)
     before = platform.oom_counts()
     assert platform.oom_since(before) == limits.OomVerdict(False)
-    write(tmp_path, {"/proc/vmstat": "oom_kill 8\n"})  # someone else's kill on the machine
-    assert platform.oom_since(before).killed is None
+    # someone else's kill on the machine: our cgroup's counter, which counts the machine-wide
+    # killer's kills too, did not move (a second test worker's out-of-memory test does this)
+    write(tmp_path, {"/proc/vmstat": "oom_kill 8\n"})
+    assert platform.oom_since(before) == limits.OomVerdict(False)
     write(tmp_path, {"/sys/fs/cgroup/pod/memory.events": "oom 1\noom_kill 1\n"})
     assert platform.oom_since(before) == limits.OomVerdict(True, "cgroup memory limit 1.5 GiB reached")
     # no cgroup counters at all: the machine's counter is all there is
     assert platform.oom_since(OomCounts((), 7)) == limits.OomVerdict(True, "the machine ran out of memory")
+    assert platform.oom_since(OomCounts((), 8)) == limits.OomVerdict(False)
+    assert platform.oom_since(OomCounts((), None)) == limits.OomVerdict(None)
+
+
+def test_a_kill_in_a_sibling_cgroup_is_not_ours(tmp_path: Path) -> None:
+    """v2 counts a kill in every ancestor of the victim's cgroup: a sibling's moves the parent's
+    counter, never ours."""
+    write(
+        tmp_path,
+        {
+            "/proc/self/mountinfo": mountinfo(V2_MOUNT),
+            "/proc/self/cgroup": "0::/pod/world\n",
+            "/proc/vmstat": "oom_kill 0\n",
+            "/sys/fs/cgroup/pod/memory.max": f"{GIB}\n",
+            "/sys/fs/cgroup/pod/memory.events": "oom 0\noom_kill 0\n",
+            "/sys/fs/cgroup/pod/world/memory.events": "oom 0\noom_kill 0\n",
+        },
+    )
+    platform = Platform(tmp_path)
+    before = platform.oom_counts()
+    write(tmp_path, {"/sys/fs/cgroup/pod/memory.events": "oom 1\noom_kill 1\n", "/proc/vmstat": "oom_kill 1\n"})
+    assert platform.oom_since(before) == limits.OomVerdict(False)
+    write(tmp_path, {"/sys/fs/cgroup/pod/world/memory.events": "oom 1\noom_kill 1\n"})
+    assert platform.oom_since(before) == limits.OomVerdict(True, "cgroup memory limit 1.0 GiB reached")
 
 
 def test_a_kill_after_an_out_of_memory_kill_is_named_for_itself(tmp_path: Path) -> None:

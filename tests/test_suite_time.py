@@ -23,7 +23,7 @@ RESULTS = """<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="tests.test_kernel" name="test_b" time="10.0"><failure message="no"/></testcase>
 <testcase classname="tests.test_world.TestGroup" name="test_c" time="30.0">
   <properties><property name="cost:sleeps" value="12.0"/></properties></testcase>
-<testcase classname="tests.test_world" name="test_d" time="0.0"><skipped message="no GPU"/></testcase>
+<testcase classname="tests.test_world" name="test_d@tour" time="0.0"><skipped message="no GPU"/></testcase>
 </testsuite></testsuites>
 """
 
@@ -47,7 +47,9 @@ def test_a_runs_time_is_read_by_kind_by_file_and_outcome(results: Path) -> None:
     }
     files = run.by_file()
     assert sorted(files) == ["tests/test_kernel.py", "tests/test_world.py"]  # a class's tests count to its file
+    # a group pytest-xdist appends under --dist loadgroup is not part of the name
     assert [case.name for case in files["tests/test_world.py"]] == ["test_c", "test_d"]
+    assert suite_time.test_name("test_e[a@b]") == "test_e[a@b]"
 
 
 def test_the_tables_rank_the_costliest_first_and_show_the_earlier_run_beside(results: Path, capsys) -> None:

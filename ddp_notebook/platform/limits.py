@@ -313,24 +313,27 @@ class Platform:
     def oom_since(self, before: OomCounts) -> OomVerdict:
         """Whether the out-of-memory killer struck among the counters of `before` since it was read.
 
-        A kill counts in the victim's cgroup and every ancestor: where one of ours went up, the
-        tightest limit among them was reached (or, with no limit on the path, the machine's
-        memory ran out). Where only the machine's counter went up, the victim may be anyone's.
+        A kill counts in the victim's cgroup (v2: and every ancestor): where the innermost went
+        up, the tightest limit among those that did was reached (or, with no limit on the path,
+        the machine's memory ran out). That counter counts kills of every kind, the machine-wide
+        ones too (Linux 4.13 added both together): where it stayed, the killer struck someone
+        else's process, in a sibling cgroup (an ancestor's v2 counter moves) or anywhere on the
+        machine (its counter moves). Without cgroup counters, the machine's is all there is.
         """
         increased = [c for c, count in before.cgroups if (c.oom_kills() or 0) > count]
-        if increased:
+        if increased and increased[0] is before.cgroups[0][0]:
             limits = [limit for c in increased if (limit := c.memory_limit()) is not None]
             if limits:
                 return OomVerdict(True, f"cgroup memory limit {format_bytes(min(limits))} reached")
             return OomVerdict(True, "the machine ran out of memory")
-        now_system = self._system_oom_kills() if before.system is not None else None
-        if now_system is not None and before.system is not None and now_system > before.system:
-            if before.cgroups:
-                return OomVerdict(None)  # a kill elsewhere on the machine: maybe not ours
-            return OomVerdict(True, "the machine ran out of memory")
-        if before.cgroups or now_system is not None:
+        if before.cgroups:
             return OomVerdict(False)
-        return OomVerdict(None)
+        now_system = self._system_oom_kills() if before.system is not None else None
+        if now_system is None or before.system is None:
+            return OomVerdict(None)
+        if now_system > before.system:
+            return OomVerdict(True, "the machine ran out of memory")
+        return OomVerdict(False)
 
 
 # ---------------------------------------------------------------------- GPUs

@@ -12,20 +12,24 @@ shared world, spare template and source (tests/support/spare_keeper.py), its own
 - the tour's notebooks: the Binder test's runs serve tests/test_notebooks.py and the docs site in the
   same test process (tests/conftest.py's ExecutedNotebooks), so the three run on one worker.
 
-Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`);
-the others go module by module (a module's fixtures are set up once). The groups are handed out
-first: the longest work starts first, and the rest fills in around it.
+Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`,
+and told to the workers, which parse the command line afresh); every other module is a group of its
+own (a module's fixtures are set up once, on one worker). The groups are handed out first: the
+longest work starts first, and the rest fills in around it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ONE_MACHINE = "what the machine has one of"
-TOUR = "the tour's notebooks"
+# in each test's id under -n (test_x.py::test_y@one-of-a-kind)
+ONE_MACHINE = "one-of-a-kind"
+TOUR = "tour"
+LOADGROUP_INPUT = "ddp_notebook_loadgroup"
 GROUPS = {
     ONE_MACHINE: frozenset(
         {
@@ -50,18 +54,39 @@ def group_of(path: Path) -> str | None:
     return next((group for group, names in GROUPS.items() if path.name in names), None)
 
 
+def dist_asked(config: pytest.Config) -> bool:
+    """Whether the command line (or PYTEST_ADDOPTS) names a `--dist` of its own."""
+    words = [*map(str, config.invocation_params.args), *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    return any(word in ("--dist", "-d") or word.startswith("--dist=") for word in words)
+
+
 @pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    # before pytest-xdist picks its default (`load`, test by test, which would set up a module's
-    # fixtures on both workers and split the groups)
-    if config.getoption("numprocesses", None) and config.option.dist == "no":
+def pytest_configure(config: pytest.Config) -> None:
+    # after every pytest_cmdline_main (pytest-xdist's makes `-n` mean `--dist load`, test by test,
+    # which would set up a module's fixtures on both workers and split the groups), before the
+    # scheduler is chosen at the session's start
+    if config.getoption("numprocesses", None) and config.option.dist == "load" and not dist_asked(config):
         config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    # a worker parses the command line afresh: it never sees a `--dist` set above, and without it
+    # pytest-xdist leaves the group marks out of the test ids (and runs a group's tests on both)
+    if node.config.getoption("dist", "no") == "loadgroup":
+        node.workerinput[LOADGROUP_INPUT] = True
+
+
+def grouping(config: pytest.Config) -> bool:
+    """Whether this worker's tests are handed out by group (the controller said so)."""
+    return bool(getattr(config, "workerinput", {}).get(LOADGROUP_INPUT))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not is_worker() or config.getoption("dist", "no") != "loadgroup":
+    if not is_worker() or not grouping(config):
         return
+    config.option.loadgroup = True  # what pytest-xdist's hook reads to add the group to each test's id
     groups = list(GROUPS)
     grouped: list[tuple[int, pytest.Item]] = []
     for item in items:
@@ -69,6 +94,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             grouped.append((groups.index(group), item))
+        else:  # a test without a group is a unit of its own under loadgroup: its module is one
+            item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).stem))
     grouped.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
     first = {id(item) for _, item in grouped}
     items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]
