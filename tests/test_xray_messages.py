@@ -24,8 +24,8 @@ SERVER = (
     "import torch  # a rank has it imported before it answers\n"
     "from ddp_notebook.rank import xray\n"
     "xray.serve(sys.argv[1], 0)\n"
-    "print('ready', flush=True)\n"
     "def waiting_here():\n"
+    "    print('ready', flush=True)  # from in here: the stack asked for at once is already here\n"
     "    time.sleep(120)\n"
     "waiting_here()\n"
 )

@@ -308,12 +308,29 @@ def remove_cgroups(parent: Path) -> list[str]:
     return problems
 
 
+def _remove_orphaned_home(user: str) -> None:
+    """A home of `user` left by a run killed between its userdel and the home's removal: owned by
+    a uid no user has now, it would keep the new user (another uid) out of its own home."""
+    home = Path("/home") / user
+    try:
+        owner = home.lstat().st_uid
+    except FileNotFoundError:
+        return
+    try:
+        pwd.getpwuid(owner)
+    except KeyError:
+        shutil.rmtree(home)
+        return
+    pytest.skip(f"{home} exists already and belongs to an existing user (uid {owner}), not to this run")
+
+
 def _create_users(record: _Record) -> list[pwd.struct_passwd]:
     created = []
     for user in USERS:
         with contextlib.suppress(KeyError):
             pwd.getpwnam(user)
             pytest.skip(f"the Linux user {user} exists already and is not this run's")
+        _remove_orphaned_home(user)
         record.users.append(user)
         record.save()
         _run("useradd", "--create-home", "--shell", "/bin/bash", "--comment", "ddp_notebook hub test", user)
