@@ -582,15 +582,25 @@ def _wait_for_api(url: str, process: subprocess.Popen[bytes], log: Path, timeout
         time.sleep(0.3)
 
 
-def _stop_hub(process: subprocess.Popen[bytes], seconds: float = 30.0) -> None:
-    """SIGTERM: the hub stops the servers, the proxy and its services, then exits."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+# the hub stops each server (up to its spawner's 10 + 5 + 5 s of signals, the servers' worlds
+# ending with them), then its proxy and services; on a loaded machine that took over 30 s, and a
+# hub killed then leaves its proxy and idle culler running
+HUB_STOP_SECONDS = 90.0
+
+
+def _stop_hub(process: subprocess.Popen[bytes], seconds: float = HUB_STOP_SECONDS) -> str:
+    """SIGTERM: the hub stops the servers, the proxy and its services, then exits; how it went."""
+    if process.poll() is not None:
+        return f"the hub had exited ({process.returncode})"
+    began = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+        return f"the hub did not stop within {seconds:.0f} s of its SIGTERM and was killed"
+    return f"the hub stopped in {time.monotonic() - began:.1f} s"
 
 
 @contextlib.contextmanager
@@ -643,8 +653,7 @@ def running_hub() -> Iterator[Hub]:
         failure = exc
         raise
     finally:
-        if process is not None:
-            _stop_hub(process)
+        stopping = _stop_hub(process) if process is not None else "no hub"
         # the worlds of servers stopped with the hub exit by themselves within seconds
         leftover = left_after(
             lambda: {
@@ -657,7 +666,7 @@ def running_hub() -> Iterator[Hub]:
         if not problems:
             record.path.unlink(missing_ok=True)
         if failure is None and (problems or leftover):
-            raise AssertionError(f"hub: processes outlived its stop {leftover} (stopped now); {problems}")
+            raise AssertionError(f"hub: processes outlived its stop {leftover} (stopped now; {stopping}); {problems}")
 
 
 def _describe(pid: int) -> str:
