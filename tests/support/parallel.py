@@ -84,18 +84,19 @@ def grouping(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not is_worker() or not grouping(config):
+    if not grouping(config):  # only a worker has the controller's word
         return
     config.option.loadgroup = True  # what pytest-xdist's hook reads to add the group to each test's id
     groups = list(GROUPS)
     grouped: list[tuple[int, pytest.Item]] = []
     for item in items:
-        group = group_of(Path(str(item.path)))
+        path = Path(str(item.path))
+        group = group_of(path)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             grouped.append((groups.index(group), item))
         else:  # a test without a group is a unit of its own under loadgroup: its module is one
-            item.add_marker(pytest.mark.xdist_group(Path(str(item.path)).stem))
+            item.add_marker(pytest.mark.xdist_group(path.stem))
     grouped.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
     first = {id(item) for _, item in grouped}
     items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]
