@@ -4,12 +4,14 @@ jupyterhub-idle-culler service stopping a server whose kernel holds a world."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,6 +132,14 @@ def train_as(hub: Hub, user: str, barrier: threading.Barrier) -> dict:
     except BaseException:
         barrier.abort()  # the other user must not wait for this one
         raise
+
+
+@contextlib.contextmanager
+def started_then_kernel(hub: Hub, user: str) -> Iterator[HubKernel]:
+    """The user's server started, then a kernel of it opened right away, as a person's tab does."""
+    hub.start_server(user)
+    with hub.kernel(user) as kernel:
+        yield kernel
 
 
 def stop_servers(hub: Hub, names: list[str]) -> None:
@@ -297,10 +307,11 @@ def probe_outcomes(text: str) -> dict[str, str]:
 
 def test_another_user_reaches_nothing_of_a_running_world(hub: Hub) -> None:
     a, b = (hub.users[name] for name in hub.users)
-    hub.start_server(a.name)
-    hub.start_server(b.name)
     try:
-        with hub.kernel(a.name) as kernel_a, hub.kernel(b.name) as kernel_b:
+        # each server's tab opened as soon as it is up: a server idle for the culler's --timeout
+        # (a loaded machine starting the other's kernel) would be culled
+        hub.start_server(a.name)
+        with hub.kernel(a.name) as kernel_a, started_then_kernel(hub, b.name) as kernel_b:
             world = start_world(kernel_a)
             before = kernel_a.run(TRAIN_CELL, timeout=180)
             assert before.error is None, before.text
@@ -573,7 +584,7 @@ for step in ddp_notebook.progress(range({HUB_BROWSER_STEPS}), desc="step"):
     loss.backward()
     optimizer.step()
     ddp_notebook.log(loss=loss.item())
-    time.sleep(0.1)  # slow enough to watch it live
+    time.sleep(0.2)  # slow enough to watch it live, on a loaded machine too
 """
 # the frontends: the URL of a notebook in each (after /user/NAME/), what it is called in the artifacts
 HUB_FRONTENDS = {"jupyterlab": "lab/tree/{file}", "notebook7": "notebooks/{file}"}
@@ -698,11 +709,12 @@ def test_live_view_through_the_hub_in_jupyterlab_and_notebook7(hub: Hub, tmp_pat
     page_errors: list[str] = []
     results: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     began = time.monotonic()
-    hub.start_server(name)
     try:
         with sync_playwright() as playwright:
             browser = launch_chromium(playwright, tmp_path / "chromium-profile")  # no cookie of the hub yet
             try:
+                # started once the browser is up: a server idle for the culler's --timeout is culled
+                hub.start_server(name)
                 page = browser.new_page()
                 page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
                 page.on("pageerror", lambda error: page_errors.append(f"{page.url}: {error.stack or error}"))

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from ddp_notebook.world.config import parse_ranks
 from tests.support.docs_pages import documented_magic_lines
 from tests.support.kernel import Kernel, kernel_world_pids
 from tests.support.processes import wait_gone
@@ -75,6 +74,19 @@ def large() -> Iterator[Kernel]:
     assert wait_gone(pids, 30) == [], "processes of the large world outlived %ddp_stop"
 
 
+def runs_named(text: str) -> tuple[list[int], int]:
+    """The ranks a message names as runs ("0-3, 5, ... (41 more)"), and how many it only counts."""
+    named, counted = [], 0
+    for item in text.split(", "):
+        more = re.fullmatch(r"\.\.\. \(([\d,]+) more\)", item)
+        if more:
+            counted += int(more.group(1).replace(",", ""))
+            continue
+        first, _, last = item.partition("-")
+        named += range(int(first), int(last or first) + 1)
+    return named, counted
+
+
 def test_a_large_world_shows_rank_0_and_every_warning_once_and_keeps_the_rest(large: Kernel) -> None:
     out, error = large.run("%%ddp\nddp_notebook.log(loss=1.0)")  # the first live view brings plotly.js
     assert error is None, out
@@ -88,11 +100,16 @@ def test_a_large_world_shows_rank_0_and_every_warning_once_and_keeps_the_rest(la
     # the warning every rank prints: shown once, with every rank named (a rank whose line came after
     # the fold closed, starved of CPU, is named in the cell's last lines)
     assert out.count("UserWarning: a warning every rank prints") == 1, out
-    folded = re.search(r"\[ranks? ([\d, -]+)\] UserWarning: a warning every rank prints", out)
+    folded = re.search(r"\[ranks? ([^\]]+)\] UserWarning: a warning every rank prints", out)
     assert folded is not None, out
-    later = re.search(r'the line "UserWarning: a warning every…" came .* \(([\d, -]+)\): %ddp_output', out)
-    named = parse_ranks(folded.group(1), SIZE) + (parse_ranks(later.group(1), SIZE) if later else ())
-    assert sorted(named) == list(range(SIZE)), out
+    named, counted = runs_named(folded.group(1))
+    later = re.search(r'the line "UserWarning: a warning every…" came .* from ([\d,]+) ranks? \((.*?)\): %ddp', out)
+    if later:  # past RUNS_SHOWN runs the rest is counted: "0-3, 5, ... (41 more)"
+        later_named, later_counted = runs_named(later.group(2))
+        assert len(later_named) + later_counted == int(later.group(1).replace(",", "")), out
+        named, counted = named + later_named, counted + later_counted
+    assert len(set(named)) == len(named) and set(named) <= set(range(SIZE)), out
+    assert len(named) + counted == SIZE, out
     assert f"({(SIZE - 1) * STREAM_SECONDS:,} lines of 63 ranks not shown (1-63): %ddp_output RANK" in out
     # the aggregate live view, rank 0's lines and the warning: bounded bytes to the browser
     assert sent / took < 50_000, f"{sent:,} bytes in {took:.1f} s"

@@ -477,7 +477,11 @@ class HubKernel:
         self.id = self._request("POST", "/kernels", json={"name": "python3"})["id"]
         ws_url = self.base.replace("http://", "ws://", 1) + f"/kernels/{self.id}/channels?session_id={self.session}"
         self.ws = websocket.create_connection(ws_url, header=[f"Authorization: token {token}"], timeout=60)
-        self._last_poll = time.monotonic()
+        # an open tab polls the kernel's model on a timer of its own, cell or no cell: activity
+        # the hub sees, so the idle culler leaves the server of an open tab alone
+        self._tab_closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll_like_a_browser, daemon=True, name=f"tab of {user}")
+        self._poller.start()
         self.run("pass", timeout=120)  # the kernel answers: it is ready
 
     def _request(self, method: str, path: str, timeout: float = 60, **kwargs: Any) -> Any:
@@ -488,10 +492,10 @@ class HubKernel:
         return response.json() if response.content else None
 
     def _poll_like_a_browser(self) -> None:
-        """GET the kernel's model every few seconds, as an open JupyterLab tab does."""
-        if time.monotonic() - self._last_poll > BROWSER_POLL_SECONDS:
-            self._last_poll = time.monotonic()
-            self._request("GET", f"/kernels/{self.id}")
+        """GET the kernel's model every few seconds until the tab is closed, as JupyterLab does."""
+        while not self._tab_closed.wait(BROWSER_POLL_SECONDS):
+            with contextlib.suppress(requests.RequestException):  # a stopped server: the test says so
+                self._request("GET", f"/kernels/{self.id}", timeout=BROWSER_POLL_SECONDS)
 
     def run(self, code: str, timeout: float = 120) -> CellResult:
         """Execute `code`; what it printed and showed, and its error's name (None if none)."""
@@ -507,7 +511,6 @@ class HubKernel:
             if time.monotonic() > deadline:
                 so_far = "".join(output.text)
                 raise TimeoutError(f"{self.user}: cell did not finish within {timeout} s; so far:\n{so_far}")
-            self._poll_like_a_browser()
             try:
                 msg = json.loads(self.ws.recv())
             except WebSocketTimeoutException:
@@ -519,6 +522,8 @@ class HubKernel:
 
     def close(self) -> None:
         """Close the websocket (the tab is closed); the kernel keeps running."""
+        self._tab_closed.set()
+        self._poller.join(timeout=BROWSER_POLL_SECONDS + 5)
         with contextlib.suppress(Exception):
             self.ws.close()
 
