@@ -450,3 +450,31 @@ def test_a_ranks_state_is_one_typed_object() -> None:
         if path.name != "state.py":
             offenders += [f"rank/{path.name}: {name}" for name in module_level_state(ast.parse(path.read_text()))]
     assert offenders == []
+
+
+def public_classes(trees: dict[str, ast.Module]) -> dict[str, list[str]]:
+    """Each public class name (no leading underscore, defined at a module's top level) -> the
+    modules defining it."""
+    found: dict[str, list[str]] = {}
+    for module, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found.setdefault(node.name, []).append(module)
+    return found
+
+
+def test_a_class_defined_twice_is_found() -> None:
+    trees = {
+        "a": ast.parse("class Report: ...\nclass _Own: ..."),
+        "b": ast.parse("class Report(dict): ...\nclass _Own: ..."),
+    }
+    assert public_classes(trees) == {"Report": ["a", "b"]}
+
+
+def test_every_public_class_name_means_one_thing() -> None:
+    """A public class name is defined in one module only: a reader (or an import) never takes one
+    `RankError` for another."""
+    trees = {_module_name(path): ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+    classes = public_classes(trees)
+    assert len(classes) > 50, "the package's classes"
+    assert {name: modules for name, modules in classes.items() if len(modules) > 1} == {}

@@ -35,7 +35,7 @@ class _Cell:
         self.started = time.time()
         self.ended: float | None = None
         self.status: wire.CellStatus = "running"
-        self.error: wire.RankError | None = None
+        self.error: wire.JournalError | None = None
         self.told: list[str] = []
         self.entries: list[list[Any]] = []  # [number, kind, payload, bytes, when]
         self.next = 0
@@ -44,7 +44,7 @@ class _Cell:
         self.dropped_bytes = 0
         self.thinned = 0
 
-    def summary(self) -> wire.CellJournal:
+    def summary(self) -> wire.JournalCell:
         return {
             "id": self.request,
             "session": self.session,

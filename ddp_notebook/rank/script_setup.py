@@ -60,7 +60,7 @@ def answer_script_calls() -> None:
         if problem is not None:
             raise WorldGroupMismatch(problem)
         if context.rank == 0 and not RANK.membership.told_own_init:
-            print(f"ddp_notebook: {describe_call(request)} uses the world's process group ({describe_world(context)})")
+            print(f"ddp_notebook: {describe_call(request)} uses the world's process group ({group_summary(context)})")
         RANK.membership.told_own_init = True
         return None
 
@@ -101,7 +101,7 @@ def keep_destroyed_groups(original_destroy: Callable[..., Any]) -> Callable[...,
 
 def mismatch(request: dict[str, Any], context: RankContext) -> str | None:
     """Why the world's group cannot stand in for `init_process_group(**request)`, or None where it can."""
-    world = describe_world(context)
+    world = group_summary(context)
     backend = request.get("backend")
     if backend is not None and str(backend) and not backend_matches(str(backend), context.backend):
         on_gpus = "--backend nccl on GPU ranks" if context.backend != "nccl" else "--backend gloo"
@@ -135,7 +135,7 @@ def describe_call(request: dict[str, Any]) -> str:
     return f"init_process_group({shown})"
 
 
-def describe_world(context: RankContext) -> str:
+def group_summary(context: RankContext) -> str:
     where = "GPU" if context.device.type == "cuda" else "CPU"
     return f"{context.backend}, {context.world_size} {where} ranks"
 

@@ -43,7 +43,7 @@ class JournalRequest(TypedDict):
     limit: int  # about how many bytes of entries to answer with (0: none, only the cell)
 
 
-class RankError(TypedDict):
+class JournalError(TypedDict):
     """What a failed cell's reply said: the exception's name, its message, its traceback's lines."""
 
     ename: str
@@ -51,7 +51,7 @@ class RankError(TypedDict):
     traceback: list[str]
 
 
-class CellJournal(TypedDict):
+class JournalCell(TypedDict):
     """A rank's newest cell, as its journal has it."""
 
     id: str  # the cell's request id on this rank
@@ -60,7 +60,7 @@ class CellJournal(TypedDict):
     started: float  # seconds since the epoch
     ended: float | None
     status: CellStatus
-    error: RankError | None
+    error: JournalError | None
     told: list[str]  # keys of `wire.results` the rank told the notebook (its group broke, ...)
     first: int  # the number of the oldest entry kept
     next: int  # the number the next entry will have
@@ -70,7 +70,7 @@ class CellJournal(TypedDict):
 
 class JournalAnswer(TypedDict):
     v: int
-    cell: CellJournal | None  # None: no cell ran since the rank's journal started
+    cell: JournalCell | None  # None: no cell ran since the rank's journal started
     # [number, kind, payload, when], oldest first: stream {"name", "text"}; display and update, the
     # display message's content; clear {}; data, a live-view message; when: seconds since the epoch
     entries: list[list[Any]]

@@ -133,10 +133,6 @@ class WorldConfig:
             if self.warm_start and self.launch.attach is None:
                 raise DDPUsageError("a detached world's ranks start as fresh interpreters: give warm_start=False")
 
-    @property
-    def device_kind(self) -> str:
-        return "cuda" if self.gpus else "cpu"
-
     @classmethod
     def build(
         cls,

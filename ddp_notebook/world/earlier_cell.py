@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class EarlierCell:
     """The newest cell an earlier kernel sent the world, as its ranks kept it."""
 
-    journals: Mapping[int, wire.CellJournal]  # rank -> its record of the cell
+    journals: Mapping[int, wire.JournalCell]  # rank -> its record of the cell
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -63,7 +63,7 @@ def earlier_cell(world: RunningWorld) -> EarlierCell | None:
     reach = world.supervisor.reach()
     if reach is None:
         return None
-    found: dict[int, wire.CellJournal] = {}
+    found: dict[int, wire.JournalCell] = {}
     for rank in sorted(world.ranks):
         answer = xray.ask(reach, rank, wire.journal_request(0, limit=0))
         cell = answer.get("cell") if answer else None

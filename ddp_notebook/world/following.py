@@ -145,7 +145,7 @@ class _Follower:
         self.sink.flush()
         self._check_deaths()
 
-    def _note_dropped(self, rank: int, cell: wire.CellJournal) -> None:
+    def _note_dropped(self, rank: int, cell: wire.JournalCell) -> None:
         if self.read_from[rank] == 0 and cell["dropped_bytes"]:
             self.context.note(
                 f"rank {rank}'s first {cell['dropped_bytes']:,} bytes of output were not kept (a detached "
