@@ -182,7 +182,7 @@ def work_copy(into: Path) -> Path:
 # what %ddp_start says is off in an environment: its lines, from a real world of 2 CPU ranks
 OFF_HERE = (
     "from ddp_notebook import DDPCluster\n"
-    "with DDPCluster(2, backend='gloo', timeout=60) as world:\n"
+    "with DDPCluster(2, backend='gloo', collective_timeout=60) as world:\n"
     "    print(*world.missing_features, sep='\\n')\n"
 )
 

@@ -212,7 +212,12 @@ def _world(ranks: int, hosts: bool) -> Iterator[tuple[Any, Any]]:
     """(a started world, the namespace hosts or None): on this machine, or across three hosts."""
     from ddp_notebook import DDPCluster, InsecureNetworkWarning
 
-    settings: dict[str, Any] = {"backend": "gloo", "timeout": 60, "on_loss": "replace", "max_restarts": 10_000}
+    settings: dict[str, Any] = {
+        "backend": "gloo",
+        "collective_timeout": 60,
+        "on_loss": "replace",
+        "max_restarts": 10_000,
+    }
     if not hosts:
         yield DDPCluster(ranks, **settings).start(), None
         return

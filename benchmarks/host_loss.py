@@ -77,7 +77,7 @@ def main() -> int:
             backend="gloo",
             on_loss=args.on_loss,
             max_restarts=1000,
-            timeout=60,
+            collective_timeout=60,
             start_timeout=120,
         )
         seen: set[int] = set()

@@ -66,7 +66,7 @@ def main() -> int:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="persist-cost-")) / "ckpt"
     ratios, rates = [], {"without": [], "with": []}
-    with DDPCluster(args.ranks, backend="gloo", timeout=120) as world:
+    with DDPCluster(args.ranks, backend="gloo", collective_timeout=120) as world:
         world.execute(SETUP.format(ranks=args.ranks, hidden=args.hidden), setup=True, stream=False)
         world.execute(f"rate = block({args.steps})", stream=False)  # warm: first steps and buckets
         for pair in range(args.blocks):

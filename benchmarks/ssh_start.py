@@ -83,7 +83,7 @@ def start_and_stop(subject: str, network: object, ssh: object, per_host: int) ->
             ssh_args=ssh_args,
             ip=network.address,  # type: ignore[attr-defined]
             backend="gloo",
-            timeout=60,
+            collective_timeout=60,
             start_timeout=120,
         )
         began = time.monotonic()

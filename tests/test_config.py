@@ -6,7 +6,7 @@ import pytest
 
 from ddp_notebook.errors import DDPUsageError
 from ddp_notebook.platform import devices, network
-from ddp_notebook.world.config import WorldConfig, parse_rank_count, parse_ranks
+from ddp_notebook.world.config import DEFAULT_COLLECTIVE_TIMEOUT, WorldConfig, parse_rank_count, parse_ranks
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_unknown_backend(cpu_only: None) -> None:
 @pytest.mark.parametrize("timeout", [0, -5, float("nan"), "10"])
 def test_bad_timeouts(cpu_only: None, timeout: object) -> None:
     with pytest.raises(DDPUsageError, match="seconds"):
-        WorldConfig.build(2, timeout=timeout)  # type: ignore[arg-type]
+        WorldConfig.build(2, collective_timeout=timeout)  # type: ignore[arg-type]
 
 
 def test_strict_mode_is_a_world_setting_the_magic_passes_through(cpu_only: None) -> None:
@@ -162,3 +162,21 @@ def test_several_mig_instances_are_refused_before_anything_starts(monkeypatch: p
     monkeypatch.setattr(devices, "visible_gpus", lambda: migs)
     with pytest.raises(DDPUsageError, match="cannot be MIG slices"):
         WorldConfig.build(2)
+
+
+def test_the_old_keywords_of_the_world_still_work_with_a_deprecation_warning(cpu_only: None) -> None:
+    """`timeout=` and `profile=` were the collective timeout and the ipyparallel profile; they are
+    `collective_timeout=` and `ipp_profile=` now, as the magics' flags (a cell's `timeout=` and
+    `profile=` are its time limit and its profiler)."""
+    with pytest.warns(
+        DeprecationWarning, match=r"timeout= is now collective_timeout= \(as the magics' --collective-timeout\)"
+    ):
+        old = WorldConfig.build(2, timeout=45)
+    assert old == WorldConfig.build(2, collective_timeout=45)
+    assert old.timeout == 45
+    with pytest.warns(DeprecationWarning, match=r"profile= is now ipp_profile="):
+        old = WorldConfig.build(2, profile="cluster7")
+    assert old.launch.profile == "cluster7" == WorldConfig.build(2, ipp_profile="cluster7").launch.profile
+    with pytest.raises(TypeError, match=r"give collective_timeout= \(the new name of timeout=\), not both"):
+        WorldConfig.build(2, timeout=45, collective_timeout=45)
+    assert WorldConfig.build(2).timeout == DEFAULT_COLLECTIVE_TIMEOUT

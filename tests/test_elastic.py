@@ -43,7 +43,7 @@ SHARDED_COMEBACKS = [
 @pytest.mark.parametrize(("size", "victim"), COMEBACKS)
 def test_a_killed_rank_comes_back_and_training_ends_bitwise_equal(no_leaks: None, size: int, victim: int) -> None:
     kill_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
-    with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60, max_restarts=2) as world:
         reference, reference_seen = elastic_training.reference(world, DDP)
         world.execute(elastic_training.build("", DDP, DROP) + TRACK, setup=True)
         world.execute("untracked = 'kept'")
@@ -98,7 +98,7 @@ def test_a_killed_rank_of_a_sharded_model_comes_back_and_training_ends_bitwise_e
     """The same for an FSDP2 model: the new rank replays the setup cells alone (a one-rank mesh),
     is sharded again over the world, and every rank loads the gathered snapshot."""
     kill_at = elastic_training.steps_per_epoch(size) + 3
-    with DDPCluster(size, backend="gloo", timeout=60, max_restarts=2) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60, max_restarts=2) as world:
         reference, reference_seen = elastic_training.reference(world, FSDP)
         world.execute(elastic_training.build("", FSDP, DROP) + TRACK, setup=True)
         # the end of the setup cell was snapshotted on every rank at once, by the notebook
@@ -149,7 +149,7 @@ def test_a_training_cell_that_failed_midway_is_rolled_back_and_ends_bitwise_equa
     newest snapshot they share, and the run ends as the uninterrupted one."""
     assert TRAIN_RAISING != TRAIN
     fail_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, the step after the snapshot at its batch 3
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         reference, reference_seen = elastic_training.reference(world, DDP)
         world.execute(elastic_training.build("", DDP, DROP) + TRACK, setup=True)
         with pytest.raises(RankError, match="is not defined"):
@@ -193,7 +193,7 @@ def test_a_rank_dropped_while_the_world_was_idle_is_named_at_the_next_push_or_pu
     it, the world comes back at the snapshot, sends nothing, and the same push works again."""
     # the controller drops a silent rank after 4 s instead of 10: the same path, twice, 12 s sooner
     monkeypatch.setattr(controlled, "HEARTBEAT_LIMIT_MS", 4_000)
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         world.execute("kept = rank * 10\nstep = 0\nddp_notebook.track(step=step)", setup=True)
         world.execute("step = 5")  # the end-of-cell snapshot holds step 5
         _stop_until_dropped(world, size - 1)
@@ -227,7 +227,7 @@ def test_a_death_while_setup_cells_are_replayed_breaks_the_world_with_a_clear_me
     trap = tmp_path / "die-on-replay"
     setup = f"import os, signal\nif os.path.exists({str(trap)!r}):\n    os.kill(os.getpid(), signal.SIGKILL)"
     last = size - 1
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         world.execute(setup, setup=True)
         # survivors still running their cell are interrupted: the comeback does not wait for them to end
         began = time.monotonic()
@@ -274,7 +274,7 @@ RESIZES = [pytest.param(2, 3, id="2-3-2"), pytest.param(3, 4, id="3-4-3"), pytes
 def test_a_world_resized_and_back_keeps_training_as_one_process_would(
     no_leaks: None, wrap: str, size: int, other: int
 ) -> None:
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         world.execute(elastic_training.build("", wrap, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
         elastic_training.train(world, "")  # two epochs at `size` ranks
@@ -342,7 +342,7 @@ def test_a_world_that_shrinks_around_a_lost_rank_trains_on_as_one_process_would(
     at one rank fewer, renumbered, from the snapshot, and the loader deals the rest of the epoch
     over them."""
     kill_at = elastic_training.steps_per_epoch(size) + 3  # epoch 1, its 4th step: just after the snapshot at batch 3
-    with DDPCluster(size, backend="gloo", timeout=60, on_loss="shrink") as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60, on_loss="shrink") as world:
         world.execute(elastic_training.build("", DDP, 0.0) + TRACK, setup=True)
         world.execute("untracked = rank * 10")
         survivors = [info.pid for info in world.ranks if info.rank != victim]

@@ -220,7 +220,7 @@ SIZES = [(2, 1), (3, 1), (4, 3)]
 def world(request: pytest.FixtureRequest) -> Iterator[tuple[DDPCluster, int]]:
     """One world per size for the module; each test starts from nothing tracked."""
     size, victim = request.param
-    with DDPCluster(size, backend="gloo", timeout=60, max_restarts=10) as cluster:
+    with DDPCluster(size, backend="gloo", collective_timeout=60, max_restarts=10) as cluster:
         pids = cluster.all_pids
         yield cluster, victim
         pids += cluster.all_pids
@@ -348,7 +348,7 @@ def test_a_world_that_goes_on_without_a_lost_rank_deals_the_rest_of_the_epoch_ov
     """`--on-loss shrink` (what an SSH world does when a host is lost): the survivors go on at one
     rank fewer from the snapshot mid-epoch; the plain sampler is dealt again over them, so the same
     cell run again uses every sample of that epoch (the rest padded, as DistributedSampler pads)."""
-    with DDPCluster(3, backend="gloo", timeout=60, on_loss="shrink") as cluster:
+    with DDPCluster(3, backend="gloo", collective_timeout=60, on_loss="shrink") as cluster:
         pids = cluster.all_pids
         cluster.execute(BUILD.format(p="", n=SAMPLES, batch=BATCH) + TRACK, setup=True, stream=False)
         train = TRAIN.replace("{set_epoch}", "sampler.set_epoch(epoch)").replace("{epochs}", str(EPOCHS))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(params=[2, 3, 4], ids=lambda size: f"{size}ranks")
 def own_world(no_leaks: None, request: pytest.FixtureRequest) -> Iterator[DDPCluster]:
     # max_restarts=0: a dead rank breaks the world, as it does past max_restarts (test_elastic covers the comeback)
-    world = DDPCluster(request.param, backend="gloo", timeout=60, max_restarts=0).start()
+    world = DDPCluster(request.param, backend="gloo", collective_timeout=60, max_restarts=0).start()
     try:
         yield world
     finally:

@@ -100,7 +100,7 @@ class Worlds:
         if self.world is not None and (self.world.world_size != size or self.world.state != "healthy"):
             self.close()
         if self.world is None:
-            self.world = DDPCluster(size, backend="gloo", timeout=60, max_restarts=100).start()
+            self.world = DDPCluster(size, backend="gloo", collective_timeout=60, max_restarts=100).start()
             self.note()
             self.world.execute(SETUP, setup=True)
         return self.world

@@ -176,7 +176,7 @@ def nvml_contexts() -> tuple[dict[int, set[str]], str]:
 
 
 def start_world(n: int, **options: Any) -> DDPCluster:
-    world = DDPCluster(n, backend="nccl", timeout=120, **options)
+    world = DDPCluster(n, backend="nccl", collective_timeout=120, **options)
     world.start()
     return world
 

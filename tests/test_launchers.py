@@ -23,7 +23,9 @@ pytestmark = pytest.mark.integration
 
 @needs_mpi
 def test_mpi_launcher_world_follows_mpi_ranks(no_leaks: None) -> None:
-    world = DDPCluster(2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", timeout=60)
+    world = DDPCluster(
+        2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", collective_timeout=60
+    )
     with world:
         assert world.backend == "gloo" and world.world_size == 2
         result = world.execute(
@@ -69,7 +71,9 @@ def test_mpi_args_typed_in_a_kernel_reach_mpiexec_word_by_word() -> None:
 
 @needs_mpi
 def test_a_rank_killed_under_mpi_is_named_and_restart_recovers(no_leaks: None) -> None:
-    world = DDPCluster(2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", timeout=60)
+    world = DDPCluster(
+        2, launcher="mpi", mpi_args="--oversubscribe", env=MPI_ENV, backend="gloo", collective_timeout=60
+    )
     with world:
         victim = world.ranks[1].pid
         world.execute("x = 41", stream=False)
@@ -89,7 +93,7 @@ def ipcluster(tmp_path: Path) -> Iterator[Path]:
 
 def test_attach_builds_a_world_and_stop_leaves_the_engines_running(ipcluster: Path) -> None:
     connection_file = str(ipcluster / "security" / "ipcontroller-t1-client.json")
-    world = DDPCluster.attach_to(connection_file, n_ranks=2, timeout=60)
+    world = DDPCluster.attach_to(connection_file, n_ranks=2, collective_timeout=60)
     world.start()
     try:
         assert world.attached and world.pids == []  # nothing of ours to kill
@@ -102,7 +106,7 @@ def test_attach_builds_a_world_and_stop_leaves_the_engines_running(ipcluster: Pa
     assert all(pid_alive(pid) for pid in engine_pids), "the engines belong to the cluster: stop() lets them be"
 
     # the same cluster again, by profile directory and cluster id; state kept on the engines
-    again = DDPCluster.attach_to(profile=str(ipcluster), cluster_id="t1", timeout=60)
+    again = DDPCluster.attach_to(ipp_profile=str(ipcluster), cluster_id="t1", collective_timeout=60)
     with again:
         assert again.world_size == 2
         assert again.execute("x", stream=False).value_text(1) == "1"
@@ -115,7 +119,7 @@ def test_attach_builds_a_world_and_stop_leaves_the_engines_running(ipcluster: Pa
 
 
 def test_attach_to_more_engines_than_there_are_says_so(ipcluster: Path) -> None:
-    world = DDPCluster.attach_to(profile=str(ipcluster), cluster_id="t1", n_ranks=3, start_timeout=3)
+    world = DDPCluster.attach_to(ipp_profile=str(ipcluster), cluster_id="t1", n_ranks=3, start_timeout=3)
     with pytest.raises(Exception, match=r"only 2 of 3 ranks registered within 3 s at profile .*start more engines"):
         world.start()
     assert not world.running
@@ -133,7 +137,7 @@ def test_a_lost_controller_ends_the_cell_within_seconds(tmp_path: Path) -> None:
     try:
         elsewhere.connect_client_sync().wait_for_engines(2, timeout=60, interactive=False)
         engine_pids = [launcher.pid for launcher in elsewhere.engines[next(iter(elsewhere.engines))].launchers.values()]
-        world = DDPCluster.attach_to(profile=str(tmp_path / "profile_c"), cluster_id="c", timeout=60)
+        world = DDPCluster.attach_to(ipp_profile=str(tmp_path / "profile_c"), cluster_id="c", collective_timeout=60)
         with world:
             controller_pid = elsewhere.controller.pid
             began = time.monotonic()

@@ -470,7 +470,7 @@ WORLD_SCRIPT = textwrap.dedent(
     """
     import sys
     from ddp_notebook import DDPCluster, RankDiedError
-    with DDPCluster(2, backend="gloo", timeout=30) as world:
+    with DDPCluster(2, backend="gloo", collective_timeout=30) as world:
         print("started", flush=True)
         try:
             world.execute(sys.argv[1])

@@ -188,7 +188,7 @@ def test_a_world_built_in_python_is_driven_by_the_magics(shell: object, capsys: 
     from ddp_notebook import DDPCluster, WorldConfig
 
     magics = shell.magics_manager.registry["DDPMagics"]  # type: ignore[attr-defined]
-    world = DDPCluster(WorldConfig.build(2, backend="gloo", timeout=60)).start()
+    world = DDPCluster(WorldConfig.build(2, backend="gloo", collective_timeout=60)).start()
     pids = world.all_pids
     try:
         assert world.activate() is world and magics.world is world
@@ -317,5 +317,6 @@ def test_ddp_start_mirrors_world_config_build() -> None:
     build = {parameter.name for parameter in parameters if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
     taken = build | set(launchers.SHORTCUTS)
     assert set(given) <= taken, sorted(set(given) - taken)
-    assert taken - set(given) == {"env", "attach", "autoreload", "simulated"}
+    # timeout= and profile=: the old names of collective_timeout= and ipp_profile=, with a warning
+    assert taken - set(given) == {"env", "attach", "autoreload", "simulated", "timeout", "profile"}
     assert WorldConfig.build(2, **given) == WorldConfig.build(2)  # the magic's defaults are Python's

@@ -464,7 +464,7 @@ def test_an_ssh_world_replaces_a_lost_rank_on_a_spare_slot_and_resizes_over_its_
         ip=multihost_network.address,
         backend="gloo",
         on_loss="replace",
-        timeout=60,
+        collective_timeout=60,
         start_timeout=120,
     )
     seen: set[int] = set()
@@ -572,7 +572,7 @@ def slurm_world(
         settings=[f"SlurmEngineSetLauncher.batch_template={SLURM_TEMPLATE!r}"],
         ip=network.address,
         backend="gloo",
-        timeout=60,
+        collective_timeout=60,
         start_timeout=120,
         **options,  # type: ignore[arg-type]
     )

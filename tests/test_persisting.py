@@ -70,7 +70,7 @@ def test_a_run_whose_every_rank_was_killed_resumes_from_disk_bitwise_equal(
 ) -> None:
     folder = tmp_path / "ckpt"
     kill_at = elastic_training.steps_per_epoch(size) + 5  # epoch 1, after the snapshot at its batch 3
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         reference, reference_seen = elastic_training.reference(world, DDP)
         world.execute(elastic_training.build("", DDP, DROP) + TRACK.format(folder=str(folder), every=1), setup=True)
         pids = _lose_every_rank(world, kill_at)
@@ -84,7 +84,7 @@ def test_a_run_whose_every_rank_was_killed_resumes_from_disk_bitwise_equal(
         f"rank-{r:05d}.pt" for r in range(size)
     ]
 
-    with DDPCluster(size, backend="gloo", timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
         said = _resume(world, folder, every=1, drop=DROP)
         assert said == f"snapshot {newest} (epoch 1, batch 3) of a world of {size} ranks"
         assert world.pull("step") == {r: elastic_training.steps_per_epoch(size) + 3 for r in range(size)}
@@ -102,14 +102,14 @@ def test_a_run_resumes_from_disk_on_another_number_of_ranks_as_one_process_would
     no_leaks: None, tmp_path: Path
 ) -> None:
     folder = tmp_path / "ckpt"
-    with DDPCluster(2, backend="gloo", timeout=60) as world:
+    with DDPCluster(2, backend="gloo", collective_timeout=60) as world:
         world.execute(elastic_training.build("", DDP, 0.0) + TRACK.format(folder=str(folder), every=2), setup=True)
         pids = _lose_every_rank(world, elastic_training.steps_per_epoch(2) + 5)
     assert wait_gone(pids) == []
     newest, marker = persisting.whole_snapshots(folder)[-1]
     assert marker["world_size"] == 2
 
-    with DDPCluster(3, backend="gloo", timeout=60) as world:
+    with DDPCluster(3, backend="gloo", collective_timeout=60) as world:
         said = _resume(world, folder, every=2, drop=0.0)
         assert said.startswith(f"snapshot {newest} (") and said.endswith("of a world of 2 ranks")
         elastic_training.train(world, "")

@@ -501,7 +501,7 @@ def test_in_strict_mode_a_rank_waiting_in_its_check_for_a_skipped_collective_is_
 @pytest.mark.integration
 def test_strict_mode_from_the_api_holds_from_the_start_after_a_heal_and_a_restart(no_leaks: None) -> None:
     mismatched = "x = torch.ones(3)\nif rank == 1:\n    dist.broadcast(x, 0)\nelse:\n    dist.all_reduce(x)"
-    with DDPCluster(2, backend="gloo", timeout=60, check_collectives=True) as world:
+    with DDPCluster(2, backend="gloo", collective_timeout=60, check_collectives=True) as world:
         for moment in ("started", "healed", "restarted"):
             if moment == "healed":
                 world.heal()  # a new default group: the checks get a new group of their own

@@ -167,7 +167,7 @@ start_args = options(
     ),
 )
 # the magics' options spelled differently from WorldConfig.build's keywords
-KEYWORDS = {"time": "time_limit", "config": "settings", "collective_timeout": "timeout", "ipp_profile": "profile"}
+KEYWORDS = {"time": "time_limit", "config": "settings"}
 
 # a batch job of the exported script: %ddp_export --submit slurm
 submit_args = options(

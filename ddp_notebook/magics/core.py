@@ -135,7 +135,7 @@ class DDPMagics(Magics):
         check_backend(args.backend)
         options = build_options(args, "url_file", "ipp_profile", "cluster_id", "n", "restart", "world")
         world = DDPCluster.attach_to(
-            args.url_file, profile=args.ipp_profile, cluster_id=args.cluster_id, n_ranks=n_ranks, **options
+            args.url_file, ipp_profile=args.ipp_profile, cluster_id=args.cluster_id, n_ranks=n_ranks, **options
         )
         self._start(world, args.restart)
 

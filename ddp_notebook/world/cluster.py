@@ -100,15 +100,18 @@ class DDPCluster:
         cls,
         url_file: str | None = None,
         *,
-        profile: str | None = None,
+        ipp_profile: str | None = None,
         cluster_id: str | None = None,
         n_ranks: int | None = None,
+        profile: str | None = None,
         **options: Any,
     ) -> DDPCluster:
         """A world of the engines of an ipyparallel cluster started elsewhere, found by its client
-        connection file or by profile and cluster id (`ipcluster start --profile P --cluster-id C`);
-        `n_ranks`: wait for that many (default: those registered now). `stop()` leaves them running."""
-        target = config.AttachTarget(url_file=url_file, profile=profile, cluster_id=cluster_id)
+        connection file or by its ipyparallel profile and cluster id (`ipcluster start --profile P
+        --cluster-id C`; `profile=`, the old name of `ipp_profile=`, warns); `n_ranks`: wait for that
+        many (default: those registered now). `stop()` leaves them running."""
+        ipp_profile = config.renamed_keyword("profile", profile, "ipp_profile", ipp_profile)
+        target = config.AttachTarget(url_file=url_file, profile=ipp_profile, cluster_id=cluster_id)
         return cls(n_ranks, attach=target, **options)
 
     @classmethod

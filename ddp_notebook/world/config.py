@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -140,14 +141,14 @@ class WorldConfig:
         *,
         backend: str = "auto",
         gpus: str | Iterable[int | str] | None = None,
-        timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+        collective_timeout: float | None = None,
         cell_timeout: float | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT,
         env: Mapping[str, str] | None = None,
         ip: str | None = None,
         curve: bool = False,
         launcher: str = launchers.LOCAL,
-        profile: str | None = None,
+        ipp_profile: str | None = None,
         python: str | None = None,
         settings: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
         attach: AttachTarget | None = None,
@@ -160,6 +161,8 @@ class WorldConfig:
         simulated: bool = False,
         detach: bool = False,
         idle_limit: float = DEFAULT_IDLE_LIMIT,
+        timeout: float | None = None,
+        profile: str | None = None,
         **shortcuts: Any,
     ) -> WorldConfig:
         """Turn what a user asked for into a checked `WorldConfig`, filling in the defaults.
@@ -172,7 +175,10 @@ class WorldConfig:
         - `ip`: where the controller listens: loopback unless asked, or for launchers that start
           ranks on other hosts (ssh, slurm, ...) this machine's address on its default route;
           beyond loopback, CurveZMQ encryption is always on;
-        - `launcher`: `local` or one of ipyparallel's launchers, with `profile`'s configuration,
+        - `collective_timeout`: seconds a collective may wait before it fails (default
+          DEFAULT_COLLECTIVE_TIMEOUT; `timeout`, its old name, still works with a DeprecationWarning);
+        - `launcher`: `local` or one of ipyparallel's launchers, with `ipp_profile`'s configuration
+          (the ipyparallel profile; `profile`, its old name, still works with a DeprecationWarning),
           `settings` (`Class.trait=value` or {class: {trait: value}}) and the shortcut options
           of `launchers.SHORTCUTS` (`hosts`, `partition`, `account`, `time_limit`, `mpi_args`,
           `ssh_args`); ranks started elsewhere may get their number from the launch (ssh
@@ -204,13 +210,15 @@ class WorldConfig:
           every variable; such a world ends itself after `idle_limit` seconds (default
           DEFAULT_IDLE_LIMIT, an hour) with no cell running and no kernel attached, or with `stop()`.
         """
+        collective_timeout = renamed_keyword("timeout", timeout, "collective_timeout", collective_timeout)
+        ipp_profile = renamed_keyword("profile", profile, "ipp_profile", ipp_profile)
         unknown = set(shortcuts) - set(launchers.SHORTCUTS)
         if unknown:
             raise TypeError(f"unknown world option(s): {', '.join(sorted(unknown))}")
         name = launchers.check(launcher)
         launch = LaunchConfig(
             launcher=name,
-            profile=profile,
+            profile=ipp_profile,
             settings=launchers.settings_for(name, _as_settings(settings), **shortcuts),
             python=python or sys.executable,
             attach=attach,
@@ -231,7 +239,7 @@ class WorldConfig:
             placement["threads_per_rank"] = 1  # a fake group computes nothing worth a core
         return cls(
             **placement,
-            timeout=timeout,
+            timeout=DEFAULT_COLLECTIVE_TIMEOUT if collective_timeout is None else collective_timeout,
             cell_timeout=cell_timeout,
             start_timeout=start_timeout,
             env=dict(env or {}),
@@ -536,3 +544,14 @@ def parse_ranks(spec: str, world_size: int) -> tuple[int, ...]:
     if outside:
         raise _no_such_ranks(outside, world_size)
     return tuple(sorted(set(chosen)))
+
+
+def renamed_keyword(old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """The value of keyword `new`, or of its old name `old` with a DeprecationWarning (as the
+    magics' old flags are read, with a note); both given is a TypeError."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"give {new}= (the new name of {old}=), not both")
+    warnings.warn(f"{old}= is now {new}= (as the magics' --{new.replace('_', '-')})", DeprecationWarning, stacklevel=3)
+    return old_value

@@ -28,8 +28,10 @@ from .config import AttachTarget, WorldConfig
 if TYPE_CHECKING:
     from .running import RunningWorld
 
-# the settings of a detached world that a kernel attaching again takes over (WorldConfig.build's keywords)
+# the settings of a detached world that a kernel attaching again takes over (WorldConfig's fields,
+# as its entry records them), and the build keyword of each field spelled otherwise
 KEPT_SETTINGS = ("timeout", "cell_timeout", "start_timeout", "max_restarts", "check_collectives", "autoreload")
+BUILD_KEYWORDS = {"timeout": "collective_timeout"}
 
 
 def world_id_of(world: RunningWorld) -> str:
@@ -188,7 +190,8 @@ def _notebook_name(entry: wire.Entry) -> str:
 
 def attach_config(entry: wire.Entry, **options: Any) -> WorldConfig:
     """The settings of a kernel's world attached to the detached world `entry` (`options` win)."""
-    settings = {**entry["config"], **options}
+    kept = {BUILD_KEYWORDS.get(name, name): value for name, value in entry["config"].items()}
+    settings = {**kept, **options}
     return WorldConfig.build(
         entry["size"],
         backend=entry["backend"],

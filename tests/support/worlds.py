@@ -13,7 +13,7 @@ from tests.support.processes import wait_gone
 
 def shared_world(n_ranks: int) -> Iterator[DDPCluster]:
     """Body of a fixture yielding a running n-rank gloo world; nothing of it may outlive its stop()."""
-    cluster = DDPCluster(n_ranks, backend="gloo", timeout=60)
+    cluster = DDPCluster(n_ranks, backend="gloo", collective_timeout=60)
     cluster.start()
     pids = cluster.all_pids
     try:
