@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import select
+import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +44,7 @@ while loader.epoch < {epochs}:
         opt.step()
         step += 1
 """
-RESUME = "from ddp_notebook.rank import elastic\nresumed = elastic.resume({folder!r})"
+RESUME = "from ddp_notebook.rank import elastic\nresumed = elastic.resume({folder!r}).said"
 
 
 def _lose_every_rank(world: DDPCluster, kill_at: int) -> list[int]:
@@ -160,6 +166,149 @@ def test_only_whole_snapshots_load_and_the_newest_two_are_kept(tmp_path: Path) -
     assert persisting.read_newest(tmp_path, rank=0).seq == 2
 
 
+def _cut_to_half(folder: Path, seq: int) -> tuple[str, int]:
+    """The largest data file of snapshot `seq` cut to half its size; (its path in the folder, its size)."""
+    data = max((p for p in (folder / persisting._name(seq)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    size = data.stat().st_size
+    with open(data, "r+b") as handle:
+        handle.truncate(size // 2)
+    return str(data.relative_to(folder)), size
+
+
+def _largest_file(folder: Path) -> Path:
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _zero_fill(path: Path) -> None:
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def _garble(path: Path) -> None:
+    path.write_text('{"seq": 3, "where": ')
+
+
+# what a crash or a power loss can leave of the newest snapshot: (its damage, what read_newest says)
+DAMAGES = {
+    "data cut": (lambda f: _cut_to_half(f, 3), r"snapshot-00000003/[^ ]+: [\d.]+ (B|kB) of [\d.]+ (B|kB)\)"),
+    "data missing": (lambda f: _largest_file(f / "snapshot-00000003").unlink(), r"snapshot-00000003/\S+ is missing\)"),
+    "data zero-filled": (
+        lambda f: _zero_fill(_largest_file(f / "snapshot-00000003")),
+        r"snapshot-00000003/\S+ does not match its checksum \(zero-filled or overwritten\)\)",
+    ),
+    "marker without data": (
+        lambda f: shutil.rmtree(f / "snapshot-00000003"),
+        r"snapshot-00000003/ is missing: the marker has no data\)",
+    ),
+    "a rank's file cut": (
+        lambda f: os.truncate(f / "snapshot-00000003.ranks" / "rank-00001.pt", 10),
+        r"snapshot-00000003.ranks/rank-00001.pt: 10 B of [\d.]+ (B|kB)\)",
+    ),
+    "a rank's file missing": (
+        lambda f: (f / "snapshot-00000003.ranks" / "rank-00001.pt").unlink(),
+        r"snapshot-00000003.ranks/rank-00001.pt is missing\)",
+    ),
+    "marker torn": (lambda f: _garble(f / "snapshot-00000003.json"), r"its marker does not read\)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGES))
+def test_a_damaged_newest_snapshot_is_passed_over_for_the_newest_whole_one(tmp_path: Path, kind: str) -> None:
+    for seq in (1, 2, 3):
+        _write(tmp_path, seq, world_size=2)
+    assert all("files" in marker for _, marker in persisting.whole_snapshots(tmp_path))
+    damage, said = DAMAGES[kind]
+    damage(tmp_path)
+    for rank in (0, 1):  # every rank passes over the same snapshot
+        written = persisting.read_newest(tmp_path, rank=rank)
+        assert written.seq == 2 and written.steps == 2, kind
+        assert torch.equal(written.state["model"][1]["w"], torch.full((2,), 2.0)), kind
+        assert len(written.skipped) == 1 and re.fullmatch(r"snapshot 3 is damaged \(" + said, written.skipped[0]), (
+            kind,
+            written.skipped,
+        )
+
+
+def test_a_snapshot_that_does_not_load_is_passed_over_and_none_whole_says_so(tmp_path: Path) -> None:
+    for seq in (2, 3):
+        _write(tmp_path, seq)
+    # a marker of the first format lists no files: a torn file shows only when it does not load
+    for seq in (2, 3):
+        marker = tmp_path / f"snapshot-0000000{seq}.json"
+        old = json.loads(marker.read_text())
+        del old["files"]
+        marker.write_text(json.dumps({**old, "version": 1}))
+    _zero_fill(_largest_file(tmp_path / "snapshot-00000003"))
+    written = persisting.read_newest(tmp_path, rank=0)
+    assert written.seq == 2 and written.skipped[0].startswith("snapshot 3 is damaged (it does not load: "), written
+    _cut_to_half(tmp_path, 2)
+    with pytest.raises(
+        FileNotFoundError, match=r"every one is damaged \(snapshot 3 is damaged .*; snapshot 2 is damaged"
+    ):
+        persisting.read_newest(tmp_path, rank=0)
+
+
+WRITES_BEFORE_KILL = 2.0  # a kill falls anywhere in about this many writes
+
+
+def _write_until_killed(folder: Path, first: int, started: int) -> None:
+    """The child: snapshots first, first + 1, ... until it is SIGKILLed (a writer a power loss stops)."""
+    try:
+        os.write(started, b"!")
+        seq = first
+        while True:
+            _write(folder, seq, world_size=2)
+            seq += 1
+    finally:
+        os._exit(1)  # an error of the child's own: the parent sees no newer snapshot
+
+
+def _unfinished(folder: Path, newest: int) -> bool:
+    """Something of a snapshot newer than the newest whole one is on disk: a write was cut."""
+    return any((seq := persisting._seq_of(p.name)) is not None and seq > newest for p in folder.iterdir()) or any(
+        p.name.endswith(".tmp") for p in folder.rglob("*")
+    )
+
+
+def test_a_writer_killed_anywhere_in_a_write_leaves_the_newest_whole_snapshot_to_resume_from(tmp_path: Path) -> None:
+    _write(tmp_path, 1, world_size=2)  # the first in a process is slower: DCP's first call
+    draw = random.Random(51)
+    kills, cut, one_write = 12, 0, 0.0
+    for kill in range(-1, kills):
+        newest = persisting.whole_snapshots(tmp_path)[-1][0]
+        ready, started = os.pipe()
+        child = os.fork()
+        if child == 0:
+            _write_until_killed(tmp_path, newest + 1, started)
+        os.close(started)
+        try:
+            # the child is in its loop: the draw is a point in its writes
+            assert select.select([ready], [], [], 30)[0] and os.read(ready, 1) == b"!", "the writer did not start"
+            if kill < 0:  # first, how long a forked writer takes for one snapshot
+                began = time.perf_counter()
+                while persisting.whole_snapshots(tmp_path)[-1][0] == newest:
+                    assert time.perf_counter() - began < 30, "the forked writer wrote no snapshot in 30 s"
+                    time.sleep(0.001)
+                one_write = time.perf_counter() - began
+        except BaseException:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            raise
+        finally:
+            os.close(ready)
+        time.sleep(draw.uniform(0, WRITES_BEFORE_KILL * one_write))
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        newest_whole = persisting.whole_snapshots(tmp_path)[-1][0]
+        cut += _unfinished(tmp_path, newest_whole)
+        written = persisting.read_newest(tmp_path, rank=1)
+        # the newest whole snapshot, its state as written: a marker never stands for torn data
+        assert written.skipped == (), written.skipped
+        assert written.seq == newest_whole >= newest and written.steps == written.seq
+        assert torch.equal(written.state["model"][1]["w"], torch.full((2,), float(written.seq)))
+    assert cut >= kills // 3, f"only {cut} of {kills} kills fell inside a write ({one_write * 1000:.1f} ms each)"
+    assert persisting.whole_snapshots(tmp_path)[-1][0] > 2 + kills // 4, "the writer never got on between kills"
+
+
 def test_a_folder_holding_a_later_run_is_not_written_over(tmp_path: Path) -> None:
     _write(tmp_path, 7)
     settings = persisting.PersistSettings.build(tmp_path, 1)
@@ -188,6 +337,7 @@ torch.manual_seed(0)
 model = ddp_notebook.prepare_model(torch.nn.Linear(2, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 step = 0
+start_weight = model.module.weight.detach().clone()
 ddp_notebook.track(model=model, opt=opt, step=step, persist="ckpt/")"""
 TRAIN_CELL = """%%ddp
 for _ in range(5):
@@ -217,9 +367,25 @@ def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> Non
         newest = persisting.whole_snapshots(tmp_path / "ckpt")[-1][0]
         out, error = kernel.run(SETUP_CELL)
         assert error is None and f"holds snapshot {newest} of an earlier run: %ddp_resume" in out, out
+        # a copy of the folder as a power loss leaves it: the newest snapshot's data cut to half
+        torn = tmp_path / "torn"
+        shutil.copytree(tmp_path / "ckpt", torn)
+        cut, size = _cut_to_half(torn, newest)
+        out, error = kernel.run("%ddp_resume torn/")
+        assert error is None, out
+        print(f"\n%ddp_resume torn/\n{out}")
+        older = persisting.whole_snapshots(torn)[-2][0]
+        assert (
+            f"snapshot {newest} is damaged ({cut}: " in out
+            and f"of {persisting._size(size)}): going on from snapshot {older}\n" in out
+        ), out
+        assert f"every rank goes on from snapshot {older} (" in out and "Traceback" not in out, out
+        out, error = kernel.run("%%ddp\nprint(step, torch.equal(model.module.weight.detach(), start_weight))")
+        assert "[rank 0] 0 True" in out and "[rank 1] 0 True" in out, out
         out, error = kernel.run("%ddp_resume ckpt/")
         assert error is None, out
         assert f"every rank goes on from snapshot {newest} (the end of a cell) of a world of 2 ranks (" in out
+        assert "damaged" not in out, out
         out, error = kernel.run("%%ddp\nprint(step, float(model.module.weight.detach().sum()) != 0)")
         assert "[rank 0] 5 True" in out and "[rank 1] 5 True" in out, out
         # bad input: one line each

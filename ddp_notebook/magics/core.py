@@ -230,6 +230,8 @@ class DDPMagics(Magics):
         """Go on from the newest whole snapshot on disk after every rank was lost (the machine rebooted,
         the kernel gone): `%ddp_start`, the setup cells, then `%ddp_resume ckpt/`."""
         done = self.running_world().resume(parse_line(self.ddp_resume, line).folder)
+        for note in done.skipped:
+            print(note)
         print(f"every rank goes on from {done.said} ({done.seconds:.1f} s); run the training cell again")
 
     @line_magic

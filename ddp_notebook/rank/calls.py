@@ -149,11 +149,13 @@ def take_snapshot(where: str) -> int | None:
     return int(elastic.snapshot(where))
 
 
-def resume_from_disk(folder: str) -> str:
-    """Every rank at once: the newest whole snapshot written to `folder` loads; says which it was."""
+def resume_from_disk(folder: str) -> tuple[str, tuple[str, ...]]:
+    """Every rank at once: the newest whole snapshot written to `folder` that checks out loads;
+    (which it was, the newer ones passed over as damaged)."""
     from ddp_notebook.rank import elastic
 
-    return elastic.resume(folder)
+    resumed = elastic.resume(folder)
+    return resumed.said, resumed.skipped
 
 
 def persist_wait(timeout: float) -> dict[str, Any]:

@@ -200,9 +200,16 @@ def _whole_world() -> bool:
     return joined is None or not dist.is_initialized() or dist.get_world_size() == joined.world_size
 
 
-def resume(folder: str | os.PathLike[str]) -> str:
+@dataclasses.dataclass(frozen=True)
+class Resumption:
+    said: str  # "snapshot 12 (epoch 1, batch 40) of a world of 4 ranks"
+    skipped: tuple[str, ...]  # newer snapshots passed over: "snapshot 13 is damaged (...)"
+
+
+def resume(folder: str | os.PathLike[str]) -> Resumption:
     """Every rank calls this at once, after the setup cells: the newest whole snapshot written to
-    `folder` loads on every rank, on the world's size or another. Returns what was loaded."""
+    `folder` that checks out loads on every rank, on the world's size or another. Returns what was
+    loaded, and which newer ones were damaged."""
     from . import persisting
 
     written = persisting.read_newest(folder, membership.context().rank)
@@ -228,7 +235,9 @@ def resume(folder: str | os.PathLike[str]) -> str:
     settings = RANK.tracked.persist
     if settings is not None and settings.folder == Path(folder).expanduser().resolve():
         RANK.tracked.persist = dataclasses.replace(settings, earlier=0)  # this world goes on writing there
-    return f"snapshot {written.seq} ({written.where}) of a world of {written.world_size} ranks"
+    return Resumption(
+        f"snapshot {written.seq} ({written.where}) of a world of {written.world_size} ranks", written.skipped
+    )
 
 
 def snapshot_numbers() -> list[int]:

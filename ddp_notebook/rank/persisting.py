@@ -11,9 +11,14 @@ rank writes its own random number generators beside it. The folder holds, per wr
     snapshot-00000040.json      written last, by rank 0, once both are whole
 
 A snapshot without its `.json` is never loaded (a half-written one, a writer killed with its
-process). Rank 0 keeps the newest KEEP_WRITTEN whole ones and removes the rest. The folder must be
-one every host of the world sees: rank 0 waits RANK_FILES_SECONDS for the others' files, says so
-once if they never appear, and leaves that snapshot incomplete.
+process). Each file reaches the disk (`os.fsync`) before its folder does, the data before the
+marker, the marker before its folder: after a power loss or a reboot a marker never stands for data
+the disk did not keep. The marker lists every file with its size and CRC-32; `read_newest` checks the
+newest snapshot against it and, where it is damaged (a file cut, missing or zero-filled, a marker
+whose data is gone, a file that does not load), goes on from the newest one that checks out,
+saying which it skipped and why. Rank 0 keeps the newest KEEP_WRITTEN whole ones and removes the
+rest. The folder must be one every host of the world sees: rank 0 waits RANK_FILES_SECONDS for
+the others' files, says so once if they never appear, and leaves that snapshot incomplete.
 
 `read_newest(folder)` is what `%ddp_resume` loads from on every rank of a new world, of the same size
 or another (the world state is whole in each snapshot: `elastic` reshards what is sharded).
@@ -29,6 +34,7 @@ import shutil
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,8 @@ POLL_SECONDS = 0.05
 QUEUED = 2  # snapshots waiting for the disk before the training thread waits too
 QUEUE_WAIT_SECONDS = 600.0
 WRITER_NICENESS = 10
-MARKER_VERSION = 1
+MARKER_VERSION = 2  # 2: the marker lists each file's size and CRC-32 (1: none, loaded unchecked)
+CHECKSUM_CHUNK = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,12 @@ class Written:
     rng: dict[str, Any]  # this rank's generators (rank 0's where the written world had no such rank)
     steps: int
     layouts: dict[str, Any]  # DDP models' gradient buckets (`elastic.wrapped_models`)
+    # newer snapshots passed over, one line each: "snapshot 7 is damaged (...)"
+    skipped: tuple[str, ...] = ()
+
+
+class SnapshotDamaged(Exception):
+    """A snapshot on disk that does not check out against its marker, or does not load."""
 
 
 @dataclasses.dataclass
@@ -210,7 +223,9 @@ def write(job: Job) -> None:
     shutil.rmtree(base, ignore_errors=True)  # a previous world's same-numbered snapshot, never whole
     skeleton, tensors = _split(job.state)
     torch_adapter.save_whole_checkpoint({"structure": _Structure(skeleton, job.layouts), **tensors}, partial)
+    _sync_tree(partial)  # its files, then the folder: on the disk before the name says it is whole
     os.replace(partial, base)
+    _sync_folder(job.settings.folder)
     if not _wait_for_ranks(ranks_dir, job.world_size):
         missing = [r for r in range(job.world_size) if not (ranks_dir / _rank_file(r)).exists()]
         raise TimeoutError(
@@ -225,55 +240,122 @@ def write(job: Job) -> None:
         "written_at": time.time(),
         "torch": torch.__version__,
         "format": torch_adapter.checkpoint_format(),
+        # every rank synced its own file before it appeared; the folder of them, here
+        "files": _file_table(job.settings.folder, [base, ranks_dir]),
     }
+    _sync_folder(ranks_dir)
     temporary = base.with_name(base.name + ".json.tmp")
-    temporary.write_text(json.dumps(marker))
+    with open(temporary, "w", encoding="utf8") as handle:
+        handle.write(json.dumps(marker))
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(temporary, base.with_name(base.name + ".json"))
+    _sync_folder(job.settings.folder)  # the marker's name on the disk: the snapshot counts as whole
     _prune(job.settings.folder, keep=KEEP_WRITTEN)
 
 
 def whole_snapshots(folder: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(seq, marker) of every whole snapshot in `folder`, oldest first."""
-    found = []
-    for marker in folder.glob("snapshot-*.json"):
-        try:
-            data = json.loads(marker.read_text())
-            seq = int(data["seq"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if marker.with_suffix("").is_dir():
-            found.append((seq, data))
-    return sorted(found, key=lambda item: item[0])
+    """(seq, marker) of every snapshot in `folder` with a readable marker and its data folder,
+    oldest first (whether each file checks out, `damage` says)."""
+    return [(seq, marker) for seq, marker in _markers(folder) if marker is not None and (folder / _name(seq)).is_dir()]
 
 
 def read_newest(folder: str | os.PathLike[str], rank: int) -> Written:
-    """The newest whole snapshot in `folder`, with `rank`'s own generators where it had that rank."""
+    """The newest whole snapshot in `folder` that checks out against its marker and loads, with
+    `rank`'s own generators where it had that rank; the newer ones passed over in `skipped`. Every
+    rank checks every file, so all ranks of a world pass over the same ones."""
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"no folder {str(folder)!r}: give the folder track(persist=...) wrote to")
-    whole = whole_snapshots(path)
-    if not whole:
+    markers = _markers(path)
+    if not markers:
         raise FileNotFoundError(f"no whole snapshot in {str(folder)!r} (none was written, or none finished)")
-    seq, marker = whole[-1]
-    base = path / _name(seq)
-    loaded = torch_adapter.read_whole_checkpoint(base, marker.get("format", "dcp"))
-    structure = loaded.pop("structure")
-    state = _join(structure.value, loaded)
+    skipped: list[str] = []
+    for seq, marker in reversed(markers):
+        try:
+            if marker is None:
+                raise SnapshotDamaged("its marker does not read")
+            written = _load(path, seq, marker, rank)
+        except SnapshotDamaged as damage:
+            skipped.append(f"snapshot {seq} is damaged ({damage})")
+            continue
+        return dataclasses.replace(written, skipped=tuple(skipped))
+    raise FileNotFoundError(f"no whole snapshot in {str(folder)!r}: every one is damaged ({'; '.join(skipped)})")
+
+
+def damage(folder: Path, seq: int, marker: dict[str, Any]) -> str | None:
+    """What is wrong with snapshot `seq` by its marker's list of files (None: nothing found)."""
+    base = folder / _name(seq)
+    if not base.is_dir():
+        return f"{base.name}/ is missing: the marker has no data"
+    for relative, (size, checksum) in sorted(marker.get("files", {}).items()):
+        file = folder / relative
+        try:
+            found = file.stat().st_size
+        except OSError:
+            return f"{relative} is missing"
+        if found != size:
+            return f"{relative}: {_size(found)} of {_size(size)}"
+        if _checksum(file) != checksum:
+            return f"{relative} does not match its checksum (zero-filled or overwritten)"
+    return None
+
+
+def _load(folder: Path, seq: int, marker: dict[str, Any], rank: int) -> Written:
+    found = damage(folder, seq, marker)
+    if found is not None:
+        raise SnapshotDamaged(found)
+    base = folder / _name(seq)
     ranks_dir = base.with_name(base.name + ".ranks")
     own = ranks_dir / _rank_file(rank)
     # a rank the written world did not have takes rank 0's generators, as a new rank takes its
     # sender's after a comeback
-    mine = torch.load(own if own.exists() else ranks_dir / _rank_file(0), weights_only=False)
-    return Written(
-        seq=seq,
-        where=str(marker.get("where", "")),
-        world_size=int(marker["world_size"]),
-        written_at=float(marker.get("written_at", 0.0)),
-        state=state,
-        rng=mine["rng"],
-        steps=int(mine["steps"]),
-        layouts=dict(structure.layouts),
-    )
+    try:
+        loaded = torch_adapter.read_whole_checkpoint(base, marker.get("format", "dcp"))
+        structure = loaded.pop("structure")
+        state = _join(structure.value, loaded)
+        mine = torch.load(own if own.exists() else ranks_dir / _rank_file(0), weights_only=False)
+        return Written(
+            seq=seq,
+            where=str(marker.get("where", "")),
+            world_size=int(marker["world_size"]),
+            written_at=float(marker.get("written_at", 0.0)),
+            state=state,
+            rng=mine["rng"],
+            steps=int(mine["steps"]),
+            layouts=dict(structure.layouts),
+        )
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as failure:  # noqa: BLE001  (DCP's CheckpointException is a BaseException)
+        # a file torn in a way no size or checksum shows (a marker of the first format lists none)
+        raise SnapshotDamaged(f"it does not load: {_why(failure)}") from None
+
+
+def _why(failure: BaseException) -> str:
+    """One line of why a load failed: DCP's CheckpointException holds each process's own error."""
+    inner = getattr(failure, "failures", None)
+    if isinstance(inner, dict) and inner:
+        failure = next(iter(inner.values()))
+    text = next((line for line in str(failure).splitlines() if line.strip()), "")
+    return f"{type(failure).__name__}: {text[:120]}" if text else type(failure).__name__
+
+
+def _markers(folder: Path) -> list[tuple[int, dict[str, Any] | None]]:
+    """(seq, marker) of every snapshot with a marker, oldest first (None: a marker that does not read)."""
+    found: list[tuple[int, dict[str, Any] | None]] = []
+    for path in folder.glob("snapshot-*.json"):
+        seq = _seq_of(path.name)
+        if seq is None:
+            continue
+        try:
+            data = json.loads(path.read_text())
+            found.append(
+                (int(data["seq"]), data) if isinstance(data, dict) and int(data["seq"]) == seq else (seq, None)
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            found.append((seq, None))
+    return sorted(found, key=lambda item: item[0])
 
 
 # ---------------------------------------------------------------- the state as DCP keeps it
@@ -335,9 +417,56 @@ def _rank_file(rank: int) -> str:
 
 
 def _atomic_torch_save(value: Any, path: Path) -> None:
+    """`value` at `path`, whole or not at all, on the disk before its name appears."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(value, temporary)
+    with open(temporary, "wb") as handle:
+        torch.save(value, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(temporary, path)
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """The folder's entries (names made, replaced, removed) on the disk."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _sync_tree(folder: Path) -> None:
+    """Every file under `folder`, then each folder of them, on the disk."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb+") as handle:
+                os.fsync(handle.fileno())
+        _sync_folder(Path(root))
+
+
+def _file_table(folder: Path, parts: list[Path]) -> dict[str, list[int]]:
+    """{path relative to `folder`: [size, CRC-32]} of every file under `parts`."""
+    table = {}
+    for part in parts:
+        for file in sorted(p for p in part.rglob("*") if p.is_file()):
+            table[str(file.relative_to(folder))] = [file.stat().st_size, _checksum(file)]
+    return table
+
+
+def _checksum(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(CHECKSUM_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL on large chunks: training goes on
+    return crc
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
 
 
 def _wait_for_ranks(ranks_dir: Path, world_size: int) -> bool:

@@ -17,6 +17,8 @@ from .running import RunningWorld
 class Resumed:
     said: str  # "snapshot 12 (epoch 1, batch 40) of a world of 4 ranks"
     seconds: float
+    # newer snapshots passed over, one line each: "snapshot 13 is damaged (...): going on from snapshot 12"
+    skipped: tuple[str, ...] = ()
 
 
 def resume_from(running: RunningWorld, folder: str, timeout: float) -> Resumed:
@@ -35,9 +37,13 @@ def resume_from(running: RunningWorld, folder: str, timeout: float) -> Resumed:
                 f"could not resume from {folder}: {reason.removeprefix('FileNotFoundError: ')}"
             ) from None
         raise DDPError(f"could not resume from {folder}: {reason}") from None
-    if len(set(said)) != 1:  # a folder that is not the same on every host
-        raise DDPError(f"could not resume from {folder}: the ranks loaded different snapshots: {sorted(set(said))}")
-    return Resumed(said[0], time.perf_counter() - began)
+    loaded = {what for what, _ in said}
+    if len(loaded) != 1:  # a folder that is not the same on every host
+        raise DDPError(f"could not resume from {folder}: the ranks loaded different snapshots: {sorted(loaded)}")
+    what, skipped = said[0]
+    seq = what.split(" ", 2)[1]  # "snapshot 12 (...)"
+    notes = tuple(f"{line}: going on from snapshot {seq}" for line in skipped)
+    return Resumed(what, time.perf_counter() - began, notes)
 
 
 def _first_reason(failure: BaseException) -> str:
