@@ -309,6 +309,57 @@ def test_a_writer_killed_anywhere_in_a_write_leaves_the_newest_whole_snapshot_to
     assert persisting.whole_snapshots(tmp_path)[-1][0] > 2 + kills // 4, "the writer never got on between kills"
 
 
+def test_snapshots_are_private_whatever_the_umask_and_load_nothing_pickled_of_a_ranks_file(tmp_path: Path) -> None:
+    numpy = pytest.importorskip("numpy")
+    folder = tmp_path / "ckpt"
+    before = os.umask(0o002)  # a user-private-group umask: files group-writable unless made private
+    try:
+        settings = persisting.PersistSettings.build(folder, 1, guard=False)
+        numpy.random.seed(7)
+        rng = {"python": None, "numpy": numpy.random.get_state()}
+        state = {"model": ("module", {"w": torch.ones(2)})}
+        persisting.write(persisting.Job(settings, 1, "p", state, rng, 1, 0, 1))
+    finally:
+        os.umask(before)
+    modes = {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+    assert modes["."] == 0o700 and all(m in (0o600, 0o700) for m in modes.values()), modes
+    rank_file = folder / "snapshot-00000001.ranks" / "rank-00000.pt"
+    torch.load(rank_file, weights_only=True)  # tensors, numbers and containers only
+    written = persisting.read_newest(folder, rank=0)
+    kind, key, *rest = written.rng["numpy"]
+    expected = rng["numpy"]
+    assert kind == expected[0] and key.dtype == expected[1].dtype and (key == expected[1]).all()
+    assert tuple(rest) == tuple(expected[2:])
+
+
+def test_a_snapshot_another_user_could_write_is_refused_saying_what_to_fix(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    for seq in (1, 2):
+        _write(folder, seq)
+    data = _largest_file(folder / "snapshot-00000002")
+    os.chmod(data, 0o664)
+    with pytest.raises(PermissionError) as refused:
+        persisting.read_newest(folder, rank=0)
+    assert str(refused.value) == (
+        f"ckpt/snapshot-00000002/{data.name} is writable by group or others, who could put code there that every "
+        f"rank would run: chmod -R go-w {folder} (or resume from a folder only you can write)"
+    )
+    os.chmod(data, 0o600)
+    os.chmod(folder, 0o777)
+    with pytest.raises(PermissionError, match=rf"^{re.escape(str(folder))} is writable by group or others"):
+        persisting.read_newest(folder, rank=0)
+    os.chmod(folder, 0o700)
+    assert persisting.read_newest(folder, rank=0).seq == 2
+    if os.geteuid() != 0:
+        return  # a file of another user's takes root to make; CI runs as root
+    os.chown(folder / "snapshot-00000002.json", 65534, 65534)
+    with pytest.raises(
+        PermissionError,
+        match=r"^ckpt/snapshot-00000002.json is owned by \S+ \(uid 65534\), not by you: resume only from your own",
+    ):
+        persisting.read_newest(folder, rank=0)
+
+
 def test_a_folder_holding_a_later_run_is_not_written_over(tmp_path: Path) -> None:
     _write(tmp_path, 7)
     settings = persisting.PersistSettings.build(tmp_path, 1)
@@ -391,6 +442,12 @@ def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> Non
         # bad input: one line each
         out, error = kernel.run("%ddp_resume")
         assert "the following arguments are required: folder" in out, out
+        os.chmod(torn, 0o777)  # a folder anyone may write: refused, before anything of it is unpickled
+        out, error = kernel.run("%ddp_resume torn/")
+        assert (
+            error is None and f"UsageError: could not resume from torn/: {torn} is writable by group or others" in out
+        )
+        assert "Traceback" not in out, out
         out, error = kernel.run("%ddp_resume nowhere/")
         assert error is None and "UsageError: could not resume from nowhere/: no folder 'nowhere/'" in out, out
         out, error = kernel.run("%ddp_stop")

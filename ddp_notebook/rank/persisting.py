@@ -72,7 +72,9 @@ class PersistSettings:
             raise ValueError(f"persist_every must be a whole number >= 1, got {every!r}")
         path = Path(folder).expanduser().resolve()
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.mkdir(mode=0o700, exist_ok=True)  # private: what is loaded from it runs in every rank
             probe = path / f".write-test-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -211,9 +213,9 @@ def write(job: Job) -> None:
     # stops being whole before it is written again
     base.with_name(base.name + ".json").unlink(missing_ok=True)
     ranks_dir = base.with_name(base.name + ".ranks")
-    ranks_dir.mkdir(parents=True, exist_ok=True)
+    ranks_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     _atomic_torch_save(
-        {"rng": job.rng, "steps": job.steps, "rank": job.rank, "world_size": job.world_size},
+        {"rng": _portable_generators(job.rng), "steps": job.steps, "rank": job.rank, "world_size": job.world_size},
         ranks_dir / _rank_file(job.rank),
     )
     if job.rank != 0:
@@ -223,7 +225,7 @@ def write(job: Job) -> None:
     shutil.rmtree(base, ignore_errors=True)  # a previous world's same-numbered snapshot, never whole
     skeleton, tensors = _split(job.state)
     torch_adapter.save_whole_checkpoint({"structure": _Structure(skeleton, job.layouts), **tensors}, partial)
-    _sync_tree(partial)  # its files, then the folder: on the disk before the name says it is whole
+    _sync_tree(partial)  # private, then its files and the folder on the disk before the name says it is whole
     os.replace(partial, base)
     _sync_folder(job.settings.folder)
     if not _wait_for_ranks(ranks_dir, job.world_size):
@@ -245,7 +247,7 @@ def write(job: Job) -> None:
     }
     _sync_folder(ranks_dir)
     temporary = base.with_name(base.name + ".json.tmp")
-    with open(temporary, "w", encoding="utf8") as handle:
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf8") as handle:
         handle.write(json.dumps(marker))
         handle.flush()
         os.fsync(handle.fileno())
@@ -270,17 +272,59 @@ def read_newest(folder: str | os.PathLike[str], rank: int) -> Written:
     markers = _markers(path)
     if not markers:
         raise FileNotFoundError(f"no whole snapshot in {str(folder)!r} (none was written, or none finished)")
+    refuse_unless_private(path, path)
     skipped: list[str] = []
     for seq, marker in reversed(markers):
         try:
             if marker is None:
                 raise SnapshotDamaged("its marker does not read")
+            _refuse_foreign_files(path, seq)
             written = _load(path, seq, marker, rank)
         except SnapshotDamaged as damage:
             skipped.append(f"snapshot {seq} is damaged ({damage})")
             continue
         return dataclasses.replace(written, skipped=tuple(skipped))
     raise FileNotFoundError(f"no whole snapshot in {str(folder)!r}: every one is damaged ({'; '.join(skipped)})")
+
+
+def refuse_unless_private(folder: Path, path: Path) -> None:
+    """PermissionError, in one line saying what to fix, unless `path` is this user's and only they
+    can write it: loading a snapshot unpickles it, so a file another user could write would run
+    their code in every rank."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return  # what is missing, the snapshot's check says
+    shown = folder.name + "/" + str(path.relative_to(folder)) if path != folder else str(folder)
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{shown} is owned by {_user_name(info.st_uid)}, not by you: resume only from your own files"
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            f"{shown} is writable by group or others, who could put code there that every rank would run: "
+            f"chmod -R go-w {folder} (or resume from a folder only you can write)"
+        )
+
+
+def _refuse_foreign_files(folder: Path, seq: int) -> None:
+    base = folder / _name(seq)
+    ranks_dir = base.with_name(base.name + ".ranks")
+    for path in (base.with_name(base.name + ".json"), base, ranks_dir):
+        refuse_unless_private(folder, path)
+    for part in (base, ranks_dir):
+        if part.is_dir():
+            for path in sorted(part.rglob("*")):
+                refuse_unless_private(folder, path)
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def damage(folder: Path, seq: int, marker: dict[str, Any]) -> str | None:
@@ -314,7 +358,7 @@ def _load(folder: Path, seq: int, marker: dict[str, Any], rank: int) -> Written:
         loaded = torch_adapter.read_whole_checkpoint(base, marker.get("format", "dcp"))
         structure = loaded.pop("structure")
         state = _join(structure.value, loaded)
-        mine = torch.load(own if own.exists() else ranks_dir / _rank_file(0), weights_only=False)
+        mine = _load_rank_file(own if own.exists() else ranks_dir / _rank_file(0))
         return Written(
             seq=seq,
             where=str(marker.get("where", "")),
@@ -405,6 +449,31 @@ def _join(skeleton: Any, tensors: dict[str, Any]) -> Any:
     return skeleton
 
 
+# ---------------------------------------------------------------- a rank's own file
+
+
+def _portable_generators(rng: dict[str, Any]) -> dict[str, Any]:
+    """The generators with numpy's key as a tensor: the rank's file then loads with
+    `weights_only=True` (tensors, numbers, strings and containers only; nothing is unpickled)."""
+    numpy_state = rng.get("numpy")
+    if numpy_state is None:
+        return rng
+    kind, key, position, has_gauss, cached = numpy_state
+    return {
+        **rng,
+        "numpy": (str(kind), torch.from_numpy(key.astype("int64")), int(position), int(has_gauss), float(cached)),
+    }
+
+
+def _load_rank_file(path: Path) -> dict[str, Any]:
+    mine = torch.load(path, weights_only=True)
+    numpy_state = mine["rng"].get("numpy")
+    if numpy_state is not None:
+        kind, key, position, has_gauss, cached = numpy_state
+        mine["rng"]["numpy"] = (kind, key.numpy().astype("uint32"), position, has_gauss, cached)
+    return mine
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -419,7 +488,7 @@ def _rank_file(rank: int) -> str:
 def _atomic_torch_save(value: Any, path: Path) -> None:
     """`value` at `path`, whole or not at all, on the disk before its name appears."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
         torch.save(value, handle)
         handle.flush()
         os.fsync(handle.fileno())
@@ -437,10 +506,13 @@ def _sync_folder(folder: Path) -> None:
 
 
 def _sync_tree(folder: Path) -> None:
-    """Every file under `folder`, then each folder of them, on the disk."""
+    """Every file under `folder` made private (whatever the umask: only the user's own files are
+    loaded), then it and each folder of them on the disk."""
     for root, _, files in os.walk(folder):
+        os.chmod(root, 0o700)
         for name in files:
             with open(os.path.join(root, name), "rb+") as handle:
+                os.fchmod(handle.fileno(), 0o600)
                 os.fsync(handle.fileno())
         _sync_folder(Path(root))
 

@@ -32,10 +32,9 @@ def resume_from(running: RunningWorld, folder: str, timeout: float) -> Resumed:
         said = engines.apply_async(rank_calls.resume_from_disk, folder).get(timeout=timeout)
     except Exception as failure:  # noqa: BLE001  (a rank's own error says what is wrong)
         reason = _first_reason(failure)
-        if reason.startswith("FileNotFoundError: "):  # no such folder, or no whole snapshot in it
-            raise DDPUsageError(
-                f"could not resume from {folder}: {reason.removeprefix('FileNotFoundError: ')}"
-            ) from None
+        for kind in ("FileNotFoundError: ", "PermissionError: "):  # no snapshot, or none that is the user's own
+            if reason.startswith(kind):
+                raise DDPUsageError(f"could not resume from {folder}: {reason.removeprefix(kind)}") from None
         raise DDPError(f"could not resume from {folder}: {reason}") from None
     loaded = {what for what, _ in said}
     if len(loaded) != 1:  # a folder that is not the same on every host
