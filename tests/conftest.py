@@ -4,6 +4,7 @@ per session, and process-leak checks."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,17 +89,65 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[:] = others[:first] + binder + others[first:]
 
 
+BINDER_BUILD_INPUT = "ddp_notebook_binder_build"  # the controller's build folder, told to each worker
+BINDER_BUILD_KEY = pytest.StashKey[Any]()
+
+
+def binder_test_may_run(config: pytest.Config) -> bool:
+    """Whether the whole suite was asked for (no -m, no -k, no path but the tests folder or the
+    Binder test's): where the controller of `-n` cannot tell, the Binder test builds for itself."""
+    if config.option.markexpr or config.option.keyword:
+        return False
+    folder = BINDER_TEST.parent
+    paths = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
+    return all(path in (folder, folder.parent, BINDER_TEST) for path in paths)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the controller of `pytest -n` runs no test: it builds the Binder environment from the start,
+    # at nice 19, and the worker that runs the Binder test waits for it there
+    if is_worker() or not config.getoption("numprocesses", None) or not binder_test_may_run(config):
+        return
+    from tests.support.binder_build import BinderBuild
+
+    config.stash[BINDER_BUILD_KEY] = BinderBuild(Path(tempfile.mkdtemp(prefix="ddp-binder-")), background=True).start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    build = node.config.stash.get(BINDER_BUILD_KEY, None)
+    if build is not None:
+        node.workerinput[BINDER_BUILD_INPUT] = str(build.folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    build = config.stash.get(BINDER_BUILD_KEY, None)
+    if build is not None:
+        build.stop()
+        shutil.rmtree(build.folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def binder_build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The Binder test's environment (a tests.support.binder_build.BinderBuild), built from the session's
     start at nice 19 beside the other tests, where that test is to run (None elsewhere): it is
     mostly pip on one core, which the tests before it leave idle much of the time. Under `pytest -n`
-    every worker collects every test, and which one runs it is known only then: the test builds it."""
-    if is_worker() or not any(item.path == BINDER_TEST for item in request.session.items):
+    the controller builds it (which worker runs the test is known only then); where it does not (a
+    part of the suite asked for), the test builds it."""
+    if not any(item.path == BINDER_TEST for item in request.session.items):
         yield None
         return
     from tests.support.binder_build import BinderBuild
 
+    if is_worker():
+        elsewhere = getattr(request.config, "workerinput", {}).get(BINDER_BUILD_INPUT)
+        build = BinderBuild.elsewhere(Path(elsewhere)) if elsewhere else None
+        try:
+            yield build
+        finally:
+            if build is not None:
+                build.stop()  # the wait only: the controller's build is the controller's
+        return
     build = BinderBuild(tmp_path_factory.mktemp("binder"), background=True).start()
     try:
         yield build

@@ -11,10 +11,14 @@
 The build is mostly pip on one core. tests/conftest.py starts it when the session starts, at the
 lowest CPU priority (nice 19), so it takes only what the tests before the Binder test leave idle;
 the test then waits for what is left of it, at normal priority where this user may raise it back.
+Under `pytest -n` the controller starts it (which worker runs the test is known only then), and the
+worker that does waits for it through its folder (`BinderBuild.elsewhere`): the controller's build
+writes `built.json` or `failed.json` there when it ends, and the pid of the step it runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -38,6 +42,9 @@ POSTBUILD_SECONDS = 300
 # long; once the test waits, what is left of the build (mostly pip) must end within WAIT_SECONDS
 BACKGROUND_SECONDS = 3600
 WAIT_SECONDS = PIP_SECONDS
+# in the build's folder: how it ended, the step it runs now, and a waiting test's word to hurry
+BUILT, FAILED, RUNNING, WANTED = "built.json", "failed.json", "running.pid", "wanted"
+ELSEWHERE_POLL_SECONDS = 0.5
 
 
 def runtime_python() -> str:
@@ -103,15 +110,19 @@ def run_checked(
     log: Path,
     started: threading.Event | None = None,
     running: list[subprocess.Popen[bytes]] | None = None,
+    pid_file: Path | None = None,
 ) -> None:
     """Run a command in its own process group, output to `log`; kill the group if it overruns.
-    `running` (if given) holds the process while it runs, for whoever must stop it early."""
+    `running` (if given) holds the process while it runs, for whoever must stop it early;
+    `pid_file` (if given) names it to another process."""
     with log.open("ab") as output:
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
         if running is not None:
             running[:] = [process]
+        if pid_file is not None:
+            pid_file.write_text(str(process.pid))
         try:
             code = process.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -133,6 +144,7 @@ class BinderBuild:
     stopped it (a pytest skip or failure)."""
 
     def __init__(self, folder: Path, background: bool) -> None:
+        self.folder = folder
         self.repo, self.venv, self.log = folder / "repo", folder / "venv", folder / "build.log"
         self.python = self.venv / "bin" / "python"
         self.dropped: list[str] = []
@@ -153,6 +165,39 @@ class BinderBuild:
     def start(self) -> BinderBuild:
         self._thread.start()
         return self
+
+    @classmethod
+    def elsewhere(cls, folder: Path) -> BinderBuild:
+        """The build another process of this session runs in `folder` (the controller of `-n`):
+        `wait` waits for its end there, asking it to hurry."""
+        build = cls(folder, background=True)  # until its test waits
+        build._thread = threading.Thread(target=build._follow, name="binder-build-elsewhere", daemon=True)
+        return build.start()
+
+    def _follow(self) -> None:
+        try:
+            while not self._stopping:
+                if (self.folder / FAILED).exists():
+                    ended = json.loads((self.folder / FAILED).read_text())
+                    (pytest.skip if ended["kind"] == "skip" else pytest.fail)(ended["message"])
+                if (self.folder / BUILT).exists():
+                    built = json.loads((self.folder / BUILT).read_text())
+                    self.dropped, self.seconds = built["dropped"], built["seconds"]
+                    return
+                if not self._background and not (self.folder / WANTED).exists():
+                    (self.folder / WANTED).touch()  # the steps still to come run at normal priority
+                    self._hurry(self.folder / RUNNING)
+                time.sleep(ELSEWHERE_POLL_SECONDS)
+            raise RuntimeError("the wait for the Binder environment's build was stopped")
+        except BaseException as error:  # noqa: BLE001  (a skip or a failure too: raised again in wait)
+            self._error = error
+
+    @staticmethod
+    def _hurry(pid_file: Path) -> None:
+        try:  # raising a priority back needs CAP_SYS_NICE
+            os.setpriority(os.PRIO_PGRP, int(pid_file.read_text()), 0)
+        except (OSError, ValueError):
+            pass
 
     def wait(self, seconds: float = WAIT_SECONDS) -> BinderBuild:
         """The built environment, once what is left of the build has run (at most `seconds`)."""
@@ -183,9 +228,17 @@ class BinderBuild:
     def _step(self, command: list[str], seconds: float) -> None:
         if self._stopping:
             raise RuntimeError("the Binder environment's build was stopped")
-        if self._background:
+        if self._background and not (self.folder / WANTED).exists():
             command, seconds = ["nice", "-n", "19", *command], BACKGROUND_SECONDS
-        run_checked(command, self.repo, self._build_env, seconds, self.log, running=self._running)
+        run_checked(
+            command,
+            self.repo,
+            self._build_env,
+            seconds,
+            self.log,
+            running=self._running,
+            pid_file=self.folder / RUNNING,
+        )
 
     def _build(self) -> None:
         try:
@@ -202,5 +255,9 @@ class BinderBuild:
                 os.chmod(post_build, 0o755)
                 self._step([str(post_build)], POSTBUILD_SECONDS)
             self.seconds = time.monotonic() - began
+            (self.folder / BUILT).write_text(json.dumps({"dropped": self.dropped, "seconds": self.seconds}))
         except BaseException as error:  # noqa: BLE001  (a skip or a failure too: raised again in wait)
             self._error = error
+            kind = "skip" if isinstance(error, pytest.skip.Exception) else "fail"
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / FAILED).write_text(json.dumps({"kind": kind, "message": str(error)}))
