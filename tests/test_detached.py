@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
 from ddp_notebook.errors import DDPUsageError
-from ddp_notebook.platform.processes import started_at
+from ddp_notebook.platform.processes import started_at, this_machine
 from ddp_notebook.rank import idle_limit
 from ddp_notebook.wire import detached as wire
 from ddp_notebook.wire.results import RankInfo
@@ -110,6 +110,51 @@ def test_a_stale_entry_is_removed_with_its_private_folder(tmp_path: Path, regist
     wire.write_private(path, {**entry, "controller_pid": gone_pid(), "rank_pids": [], "private_dir": str(folder)})
     assert [entry["id"] for entry in detached.worlds()] == ["alive"]
     assert not path.exists() and not folder.exists()
+
+
+def test_a_world_of_another_machine_sharing_the_home_is_listed_never_removed(tmp_path: Path, registry: Path) -> None:
+    """A home shared between machines (NFS on a cluster's login nodes) shares the registry: only the
+    machine a world runs on may declare it gone; the others list it with its host."""
+    running_world(tmp_path, "here")
+    entry = wire.read_entry(registry / "here.json")
+    assert entry is not None and (entry["host"], entry["boot"]) == this_machine()
+    # another machine's world: PIDs that mean nothing here, a folder that is not here
+    other = {**entry, "id": "there", "host": "login2", "controller_pid": gone_pid(), "rank_pids": [gone_pid()]}
+    wire.write_private(registry / "there.json", other)
+    assert [e["id"] for e in detached.worlds()] == ["here", "there"]
+    assert (registry / "there.json").exists()
+    table = detached.describe(detached.worlds())
+    row = next(line for line in table.splitlines() if line.startswith("there"))
+    assert "on login2" in row, table
+    assert table.splitlines()[-1] == "a world on login2 is attached to from a kernel on that machine"
+    with pytest.raises(DDPUsageError) as refused:
+        detached.choose("there")
+    assert str(refused.value) == (
+        f"detached world there runs on login2, not on this machine ({this_machine()[0]}): "
+        "attach to it from a kernel on login2"
+    )
+    assert detached.choose(None)["id"] == "here", "only this machine's worlds are chosen"
+    (registry / "here.json").unlink()
+    with pytest.raises(DDPUsageError, match=r"running on this machine .*; on other machines: .*there \(2 ranks, from "):
+        detached.choose(None)
+
+
+def test_an_entry_from_before_this_machines_last_boot_is_stale_whatever_its_pids(
+    tmp_path: Path, registry: Path
+) -> None:
+    running_world(tmp_path, "before-boot")
+    path = registry / "before-boot.json"
+    entry = wire.read_entry(path)
+    assert entry is not None and detached.alive(entry), "its controller (this process) runs"
+    # the same PIDs, alive now, but written before a boot: another process has them
+    wire.write_private(path, {**entry, "boot": "0" * 32, "rank_pids": [os.getpid()]})
+    assert detached.worlds() == [] and not path.exists()
+    # an entry written before hosts were recorded is this machine's, judged by its PIDs
+    running_world(tmp_path, "old-entry")
+    old = wire.read_entry(registry / "old-entry.json")
+    assert old is not None
+    wire.write_private(registry / "old-entry.json", {k: v for k, v in old.items() if k not in ("host", "boot")})
+    assert [e["id"] for e in detached.worlds()] == ["old-entry"]
 
 
 def test_the_world_to_attach_to_is_chosen_or_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

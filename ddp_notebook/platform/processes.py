@@ -184,6 +184,18 @@ def started_at(pid: int) -> str:
     return fields[19] if len(fields) > 19 else ""
 
 
+def this_machine() -> tuple[str, str]:
+    """(host name, boot id) of this machine: the PIDs a process records mean something only on its
+    host, and only until that host boots again (the boot id is Linux's; "" elsewhere). The name is
+    the kernel's own (uname), no lookup."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        boot = ""
+    return os.uname().nodename, boot
+
+
 def pid_alive(pid: int) -> bool:
     try:
         finished, _ = os.waitpid(pid, os.WNOHANG)

@@ -52,6 +52,10 @@ class Entry(TypedDict):
     config: dict[str, Any]  # the world's settings a kernel attaching again needs (timeouts, ...)
     attached_pid: int  # the kernel attached now (0: none); its start time tells a reused PID apart
     attached_started: str
+    # the machine the world runs on (a home shared between machines shares the registry): its
+    # name and boot id; an entry written before them (read with .get) is taken as this machine's
+    host: str
+    boot: str
 
 
 class Status(TypedDict):

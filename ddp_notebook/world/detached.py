@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DDPUsageError
 from ..live.notebook_session import notebook_path
-from ..platform.processes import pid_alive, started_at
+from ..platform.processes import pid_alive, started_at, this_machine
 from ..wire import detached as wire
 from ..wire.results import RankInfo
 from . import layout as world_layout
@@ -77,6 +77,8 @@ def record(world: RunningWorld) -> None:
         "config": previous["config"],
         "attached_pid": me,
         "attached_started": started_at(me),
+        "host": this_machine()[0],
+        "boot": this_machine()[1],
     }
     wire.write_private(path, entry)
 
@@ -114,8 +116,21 @@ def layout_of(entry: wire.Entry) -> tuple[str, list[world_layout.Placement], dic
     return entry["backend"], placements, routes
 
 
+def host_of(entry: wire.Entry) -> str | None:
+    """The machine the world runs on, where that is another than this one (None: this one)."""
+    host = entry.get("host") or this_machine()[0]
+    return None if host == this_machine()[0] else host
+
+
 def alive(entry: wire.Entry) -> bool:
-    """Whether the world's controller still runs (and its connection file is there)."""
+    """Whether the world's controller still runs (and its connection file is there). Only the
+    world's own machine can tell: a world of another (a home shared between machines) is taken
+    as running; on this one, a boot since the entry was written ended it, whatever its PIDs say now."""
+    if host_of(entry) is not None:
+        return True
+    boot = entry.get("boot") or ""
+    if boot and boot != this_machine()[1]:
+        return False
     return pid_alive(entry["controller_pid"]) and os.path.isfile(entry["connection_file"])
 
 
@@ -143,7 +158,8 @@ def worlds() -> list[wire.Entry]:
 
 def _clean_stale(path: os.PathLike[str], entry: wire.Entry) -> None:
     """An entry whose world is gone: it goes, with the world's private folder once no rank holds it."""
-    if any(pid_alive(pid) for pid in entry["rank_pids"]):
+    rebooted = bool(entry.get("boot")) and entry.get("boot") != this_machine()[1]
+    if not rebooted and any(pid_alive(pid) for pid in entry["rank_pids"]):
         return  # its ranks outlive their controller for a moment (they end on its missing heartbeats)
     os.unlink(path)
     folder = entry["private_dir"]
@@ -154,19 +170,28 @@ def _clean_stale(path: os.PathLike[str], entry: wire.Entry) -> None:
 def choose(world_id: str | None) -> wire.Entry:
     """The detached world to attach to: `world_id` (or a unique start of it); without one, this
     notebook's newest, else the user's only one. One line when there is no clear choice."""
-    running = worlds()
+    listed = worlds()
+    running = [entry for entry in listed if host_of(entry) is None]
+    elsewhere = [entry for entry in listed if host_of(entry) is not None]
     if world_id:
-        matches = [entry for entry in running if entry["id"] == world_id] or [
-            entry for entry in running if entry["id"].startswith(world_id)
+        matches = [entry for entry in listed if entry["id"] == world_id] or [
+            entry for entry in listed if entry["id"].startswith(world_id)
         ]
         if len(matches) != 1:
             found = "no detached world" if not matches else f"{len(matches)} detached worlds"
             raise DDPUsageError(f"{found} of yours has the id '{world_id}'; {_listing(running)}")
+        host = host_of(matches[0])
+        if host is not None:
+            raise DDPUsageError(
+                f"detached world {matches[0]['id']} runs on {host}, not on this machine "
+                f"({this_machine()[0]}): attach to it from a kernel on {host}"
+            )
         return matches[0]
     if not running:
+        here, there = (" on this machine", f"; on other machines: {_listing(elsewhere)}") if elsewhere else ("", "")
         raise DDPUsageError(
-            "no detached world of yours is running (start one with %ddp_start N --detach; "
-            "%ddp_attach --ipp-profile P attaches to an ipcluster)"
+            f"no detached world of yours is running{here} (start one with %ddp_start N --detach; "
+            f"%ddp_attach --ipp-profile P attaches to an ipcluster){there}"
         )
     notebook = notebook_path()
     mine = [entry for entry in running if notebook and entry["notebook"] == notebook]
@@ -178,10 +203,15 @@ def choose(world_id: str | None) -> wire.Entry:
 
 
 def _listing(running: Iterable[wire.Entry]) -> str:
-    ids = [f"{entry['id']} ({entry['size']} ranks, from {_notebook_name(entry)})" for entry in running]
+    ids = [f"{entry['id']} ({entry['size']} ranks, from {_notebook_name(entry)}{_on(entry)})" for entry in running]
     if not ids:
         return "none runs now (%ddp_worlds lists them)"
     return f"pick one with %ddp_attach --world ID: {', '.join(ids)}"
+
+
+def _on(entry: wire.Entry) -> str:
+    host = host_of(entry)
+    return f", on {host}" if host else ""
 
 
 def _notebook_name(entry: wire.Entry) -> str:
@@ -205,6 +235,9 @@ def attach_config(entry: wire.Entry, **options: Any) -> WorldConfig:
 def state_of(entry: wire.Entry, now: float | None = None) -> tuple[str, str]:
     """(state, idle since) of a world for the listing: attached, running a cell, or idle."""
     now = time.time() if now is None else now
+    host = host_of(entry)
+    if host is not None:  # its status and processes are that machine's
+        return f"on {host}", "-"
     status = wire.read_status(entry["private_dir"])
     busy = bool(status and status["busy"])
     attached = attached_kernel(entry) is not None
@@ -240,4 +273,7 @@ def describe(running: list[wire.Entry], now: float | None = None) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.append("%ddp_attach (this notebook's newest) or %ddp_attach --world ID attaches; %ddp_stop there ends it")
+    hosts = sorted({host for entry in running if (host := host_of(entry)) is not None})
+    if hosts:
+        lines.append(f"a world on {', '.join(hosts)} is attached to from a kernel on that machine")
     return "\n".join(lines)
