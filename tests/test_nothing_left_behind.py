@@ -129,6 +129,20 @@ def test_a_world_leaves_no_file_however_it_ends(kernel: Kernel, places: tuple[Pa
     _ended(kernel, places, ending, world)
 
 
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_restarted_world_leaves_no_file_however_it_ends(
+    kernel: Kernel, places: tuple[Path, Path], ending: str
+) -> None:
+    """The world after %ddp_restart has its controller forked from the kernel's warm template,
+    which ends its children when the kernel goes: the template removes their world's folder then."""
+    before, first_pids, kernel_pid = _world_files(kernel, places, "%ddp_start 2 --backend gloo")
+    out, error = kernel.run("%ddp_restart", timeout=180)
+    assert error is None and "DDP world ready: 2 ranks" in out, out
+    pids = kernel_world_pids(kernel)
+    assert len(set(pids) - set(first_pids)) >= 3, "the restart started a new controller and ranks"
+    _ended(kernel, places, ending, (before, sorted(set(pids) | set(first_pids)), kernel_pid))
+
+
 @needs_mpi
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_a_launched_world_leaves_no_file_in_the_profile_however_it_ends(

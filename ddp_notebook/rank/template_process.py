@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddp_notebook.platform.processes import OWNER_PID_ENV, SLOT_ENV
+from ddp_notebook.platform.processes import OWNER_FOLDERS_ENV, OWNER_PID_ENV, SLOT_ENV
 
 OWNER_POLL_SECONDS = 0.2
 
@@ -66,6 +66,9 @@ class _Template:
         self.connections: dict[socket.socket, bytes] = {}
         self.children: set[int] = set()
         self.exits: dict[int, int] = {}
+        # the folders each controller forked here removes when its kernel goes (its world's private
+        # folder): killed with the rest below, it never does, so this process does it for it
+        self.owned_folders: dict[int, list[str]] = {}
 
     def serve(self) -> None:
         import selectors
@@ -88,6 +91,11 @@ class _Template:
             pass
         else:  # the kernel is gone, and nobody else removes the template's folder (its socket, its log)
             shutil.rmtree(os.path.dirname(self.listener.getsockname()), ignore_errors=True)
+            for pid in self.children:
+                _kill_group(pid)
+            for folder in (folder for pid in self.children for folder in self.owned_folders.get(pid, ())):
+                shutil.rmtree(folder, ignore_errors=True)  # the world's, as its controller would have
+            os._exit(0)
         for pid in self.children:
             _kill_group(pid)
         os._exit(0)
@@ -123,6 +131,9 @@ class _Template:
                 return {"reply": "error", "error": f"unknown role {role!r}"}
             pid = self._fork(role, request["argv"], request["env"], request["output"], request["cwd"])
             self.children.add(pid)
+            if role == "controller":
+                folders = request["env"].get(OWNER_FOLDERS_ENV, "")
+                self.owned_folders[pid] = [folder for folder in folders.split(os.pathsep) if folder]
             return {"reply": "fork", "pid": pid}
         if op == "stop":
             raise _Stop
@@ -143,6 +154,7 @@ class _Template:
             if pid == 0:
                 return
             self.children.discard(pid)
+            self.owned_folders.pop(pid, None)
             code = self.exits[pid] = os.waitstatus_to_exitcode(status)
             # what it started (DataLoader workers, subprocesses) goes with it, now: left alone, torch's
             # workers notice a dead parent only at their watchdog's next look, 5 s later
