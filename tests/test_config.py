@@ -180,3 +180,14 @@ def test_the_old_keywords_of_the_world_still_work_with_a_deprecation_warning(cpu
     with pytest.raises(TypeError, match=r"give collective_timeout= \(the new name of timeout=\), not both"):
         WorldConfig.build(2, timeout=45, collective_timeout=45)
     assert WorldConfig.build(2).timeout == DEFAULT_COLLECTIVE_TIMEOUT
+
+
+def test_the_old_keywords_warning_points_at_the_users_line(cpu_only: None) -> None:
+    """Given to DDPCluster (which calls build) or to build itself, the warning names the caller's
+    file: the package's own warnings are errors in this suite, a user's are theirs to see."""
+    from ddp_notebook import DDPCluster
+
+    for make in (lambda: WorldConfig.build(2, timeout=45), lambda: DDPCluster(2, timeout=45)):
+        with pytest.warns(DeprecationWarning) as caught:
+            make()
+        assert [w.filename for w in caught] == [__file__]

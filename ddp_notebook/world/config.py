@@ -6,6 +6,7 @@ leaves nothing behind (as accelerate's launchers do).
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import os
 import sys
@@ -553,5 +554,17 @@ def renamed_keyword(old: str, old_value: Any, new: str, new_value: Any) -> Any:
         return new_value
     if new_value is not None:
         raise TypeError(f"give {new}= (the new name of {old}=), not both")
-    warnings.warn(f"{old}= is now {new}= (as the magics' --{new.replace('_', '-')})", DeprecationWarning, stacklevel=3)
+    said = f"{old}= is now {new}= (as the magics' --{new.replace('_', '-')})"
+    warnings.warn(said, DeprecationWarning, stacklevel=_outside_the_package())
     return old_value
+
+
+def _outside_the_package() -> int:
+    """The stack level of the first caller outside this package (the user's line that gave the
+    old keyword, through DDPCluster(...) or WorldConfig.build alike), for warnings.warn."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = inspect.currentframe()
+    frame, level = (here.f_back if here is not None else None), 1  # renamed_keyword's: warn's level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

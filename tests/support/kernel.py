@@ -35,15 +35,30 @@ class CellOutput:
         return kind == "status" and content["execution_state"] == "idle"
 
 
+START_ATTEMPTS = 3
+
+
 class Kernel:
     """A real ipykernel with helpers to run a cell and collect what it printed."""
 
     def __init__(self, cwd: str | None = None) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        for attempt in range(START_ATTEMPTS):
+            self.manager = KernelManager(kernel_name="python3")
+            self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
+            self.client = self.manager.client()
+            self.client.start_channels()
+            try:
+                self.client.wait_for_ready(timeout=60)
+                break
+            except RuntimeError as failure:
+                # jupyter_client picks five free TCP ports and lets go of them before the kernel
+                # binds them: another process (a world, the other worker's kernel) may take one
+                # first, and the kernel dies at once ("Address already in use"). A new start picks
+                # new ports; a kernel that dies for any other reason dies again and is reported
+                self.client.stop_channels()
+                self.manager.cleanup_resources()
+                if "Kernel died" not in str(failure) or attempt == START_ATTEMPTS - 1:
+                    raise
         self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
 
     def run(

@@ -74,5 +74,5 @@ def ssh_world(network: Network, ssh: SSHHosts, **options: object) -> DDPCluster:
         hosts=",".join(f"{host}:1" for host in ssh.hosts),
         ssh_args=ssh.ssh_args,
         ip=network.address,
-        **{"backend": "gloo", "timeout": 60, "start_timeout": 120, **options},  # type: ignore[arg-type]
+        **{"backend": "gloo", "collective_timeout": 60, "start_timeout": 120, **options},  # type: ignore[arg-type]
     )
