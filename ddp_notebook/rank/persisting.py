@@ -242,10 +242,9 @@ def write(job: Job) -> None:
         "written_at": time.time(),
         "torch": torch.__version__,
         "format": torch_adapter.checkpoint_format(),
-        # every rank synced its own file before it appeared; the folder of them, here
+        # every rank synced its own file and the folder of them before it counted as written
         "files": _file_table(job.settings.folder, [base, ranks_dir]),
     }
-    _sync_folder(ranks_dir)
     temporary = base.with_name(base.name + ".json.tmp")
     with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf8") as handle:
         handle.write(json.dumps(marker))
