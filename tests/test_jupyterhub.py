@@ -193,7 +193,7 @@ def test_two_users_train_at_once_each_world_as_its_user(hub: Hub) -> None:
 # the pids are A's, handed in as B would find them: /proc/net/tcp lists every listening port, /tmp
 # every folder's name, /proc every pid). One JSON line per attempt: [what, "got ..." or "refused: ..."].
 PROBE_CELL = """
-import datetime, glob, json, os, socket, threading, time
+import datetime, glob, json, multiprocessing, os, signal, socket, time
 import torch.distributed as dist
 import zmq
 from jupyter_client.session import Session
@@ -209,23 +209,29 @@ def attempt(what, action):
     print(json.dumps([what, outcome]), flush=True)
 
 
-def in_a_thread(action, seconds):
-    box = []
-    thread = threading.Thread(target=lambda: box.append(_call(action)), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not box:
-        raise TimeoutError("no answer")
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-
-
-def _call(action):
+def in_a_child(action, seconds):
+    # a forked child, killed when it has not answered: a store client stuck in torch's C++ can hold
+    # the GIL past its own timeout, and a thread of this kernel would then hang the whole cell
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            writer.send(("answer", action()))
+        except BaseException as error:
+            writer.send(("error", type(error).__name__, str(error)))
+        finally:
+            os._exit(0)
+    writer.close()
     try:
-        return action()
-    except BaseException as error:
-        return error
+        if not reader.poll(seconds):
+            raise TimeoutError("no answer")
+        answer = reader.recv()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if answer[0] == "error":
+        raise type(answer[1], (Exception,), {{}})(answer[2])
+    return answer[1]
 
 
 def junk(port):
@@ -279,8 +285,8 @@ attempt("A's processes' environment", lambda: [open(f"/proc/{{pid}}/environ", "r
 attempt("a signal to A's processes", lambda: [os.kill(pid, 0) for pid in A_PIDS])
 for port in A_PORTS:
     attempt(f"port {{port}}: bytes of its own", lambda: junk(port))
-    attempt(f"port {{port}}: a rendezvous store", lambda: in_a_thread(lambda: store(port), 2))
-    attempt(f"port {{port}}: an unsigned execute_request", lambda: in_a_thread(lambda: execute_unsigned(port), 3))
+    attempt(f"port {{port}}: a rendezvous store", lambda: in_a_child(lambda: store(port), 2))
+    attempt(f"port {{port}}: an unsigned execute_request", lambda: in_a_child(lambda: execute_unsigned(port), 3))
 """
 
 ISOLATION_MARK = "/tmp/ddphub-b-ran-code-in-a-world-of-a"
