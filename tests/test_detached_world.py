@@ -276,3 +276,91 @@ def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_fro
     finally:
         world.stop()
     assert wait_gone(pids) == [] and list(registry.glob("*")) == []
+
+
+# a night of nested progress bars in seconds: every step publishes a live-view message (far more than
+# the journal's MESSAGES_LIMIT), then every rank waits until the file `hold` names is gone and prints
+# what its journal of the cell holds
+EPOCHS, STEPS_PER_EPOCH = 3, 1200
+NIGHT = (
+    "%%ddp\nimport os, time\nfrom ddp_notebook.rank.channel import rank_channel\n"
+    "from ddp_notebook.rank.state import RANK\n"
+    "rank_channel().flush_seconds = 0.0\n"
+    f"for epoch in ddp_notebook.progress(range({EPOCHS}), desc='epochs'):\n"
+    f"    for step in ddp_notebook.progress(range({STEPS_PER_EPOCH}), desc=f'epoch {{epoch}}'):\n"
+    "        ddp_notebook.log(loss=1.0 / (1 + step))\n"
+    "print('[night] held', flush=True)\n"
+    "while os.path.exists(hold):\n    time.sleep(0.05)\n"
+    "held = RANK.journal.footprint()\n"
+    "print(f\"[night] sent {rank_channel()._seq} kept {held['messages']} points {held['points']}\")"
+)
+
+
+def test_one_kernel_at_a_time_drives_a_detached_world_and_its_cell_record_stays_bounded(
+    registry: Path, tmp_path: Path
+) -> None:
+    """A second live kernel's `%ddp_attach` is refused naming the first; `--take-over` takes the world,
+    follows the first kernel's cell (its journal bounded, every point and each bar's end kept); the
+    first kernel's next cell is refused in one line and a cell of any other ipyparallel client is
+    refused on the ranks, nothing of either run; `%ddp_stop` ends the world."""
+    from ddp_notebook.wire import journal as bounds
+
+    hold = tmp_path / "hold"
+    first, second = Kernel(), Kernel()
+    try:
+        out, error = first.run("%load_ext ddp_notebook\n%ddp_start 2 --detach --idle-limit 600")
+        assert error is None, out
+        out, error = first.run(f"%%ddp\nx = rank + 1\nhold = {str(hold)!r}")
+        assert error is None, out
+        hold.touch()
+        first.client.execute(NIGHT)
+        first.wait_for_output("[night] held", seconds=120)
+        first_pid = first.manager.provisioner.process.pid
+        entry = only_entry(registry)
+        out, error = second.run("%load_ext ddp_notebook\n%ddp_attach")
+        assert f"UsageError: the detached world {entry['id']} is attached to another kernel, PID {first_pid} " in out
+        assert "(train.ipynb), attached at " in out and "%ddp_attach --take-over takes it" in out, out
+        out, error = second.run("%ddp_attach --take-over")
+        assert error is None and f"attached again to the detached world {entry['id']}" in out, out
+        hold.unlink()
+        out, error = second.run("%ddp_wait")
+        assert error is None, out
+        for rank in range(2):
+            line = next(line for line in out.splitlines() if line.startswith(f"[rank {rank}] [night] sent"))
+            sent, kept, points = (int(word) for word in line.split()[4::2])
+            assert sent > bounds.MESSAGES_LIMIT >= kept and points == EPOCHS * STEPS_PER_EPOCH, line
+        out, error = second.run(
+            "feed = get_ipython().magics_manager.registry['DDPMagics'].world.recorder.latest\n"
+            "print(sorted((rank, level, bar.desc, bar.n, bar.total) for (rank, level), bar in feed.bars.items()))\n"
+            "print([len(feed.metrics.series('loss', rank)[0]) for rank in range(2)])"
+        )
+        last = EPOCHS - 1
+        bars = [(rank, 0, "epochs", EPOCHS, EPOCHS) for rank in range(2)]
+        bars += [(rank, 1, f"epoch {last}", STEPS_PER_EPOCH, STEPS_PER_EPOCH) for rank in range(2)]
+        assert error is None and str(sorted(bars)) in out, out
+        assert str([EPOCHS * STEPS_PER_EPOCH] * 2) in out, "every point of the night, kept"
+        # the kernel the world was taken from: its next cell is refused in one line, and it let go
+        out, error = first.run("%%ddp\nx = 100")
+        second_pid = second.manager.provisioner.process.pid
+        assert f"UsageError: another kernel took this detached world, PID {second_pid} (train.ipynb)" in out, out
+        assert "this kernel let go of it (nothing of it ended); %ddp_attach --take-over takes it back" in out, out
+        # any other client of the world's controller: the ranks refuse its cell before it runs
+        import ipyparallel as ipp
+
+        client = ipp.Client(entry["connection_file"], timeout=10)
+        try:
+            with pytest.raises(ipp.error.CompositeError) as refused:
+                client[:].execute("x = 100", block=True)
+            assert "InputRejected" in str(refused.value) and "another kernel took this detached world" in str(
+                refused.value
+            ), refused.value
+        finally:
+            client.close()
+        out, error = second.run("%%ddp\nx")
+        assert error is None and outs(out, {0: 1, 1: 2}), out
+        out, error = second.run("%ddp_stop")
+        assert error is None and "ended the detached world of 2 ranks" in out, out
+        assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
+    finally:
+        first.close()
+        second.close()

@@ -73,7 +73,8 @@ def test_a_kernel_reads_a_page_at_a_time_from_where_it_stopped() -> None:
     journal = started_journal()
     for step in range(10):
         journal.sent("stream", {"name": "stdout", "text": f"{step:03d}" * 100 + "\n"}, CELL)  # 301 bytes each
-    first = journal.answer(0, 1000)["entries"]
+    assert wire.ENTRY_BYTES == 128  # each entry costs 429 bytes of a page: three of them 1,287
+    first = journal.answer(0, 1300)["entries"]
     assert [entry[0] for entry in first] == [0, 1, 2, 3], "a page stops once its bytes are spent"
     rest = journal.answer(first[-1][0] + 1, 10_000)["entries"]
     assert [entry[0] for entry in rest] == list(range(4, 10))
@@ -86,7 +87,7 @@ def test_a_kernel_reads_a_page_at_a_time_from_where_it_stopped() -> None:
 def test_past_the_output_bound_the_oldest_text_goes_and_is_counted() -> None:
     journal = started_journal()
     line = "x" * 1023 + "\n"
-    per_limit = wire.TEXT_LIMIT_BYTES // len(line)
+    per_limit = wire.TEXT_LIMIT_BYTES // (len(line) + wire.ENTRY_BYTES)
     journal.data(message(0, 0, 5))
     for _ in range(per_limit):
         journal.sent("stream", {"name": "stdout", "text": line}, CELL)
@@ -100,7 +101,8 @@ def test_past_the_output_bound_the_oldest_text_goes_and_is_counted() -> None:
     kept = sum(len(entry[2]["text"]) for entry in texts)
     assert cell is not None and cell["dropped_bytes"] + kept == count * len(line), "every byte kept or counted"
     # once past the bound, down to three quarters of it in one pass (then the lines that came after)
-    assert cell["dropped_bytes"] >= wire.TEXT_LIMIT_BYTES - wire.TEXT_KEPT_BYTES
+    dropped_lines = cell["dropped_bytes"] // len(line)
+    assert dropped_lines * (len(line) + wire.ENTRY_BYTES) >= wire.TEXT_LIMIT_BYTES - wire.TEXT_KEPT_BYTES
     assert kept <= wire.TEXT_KEPT_BYTES + 10 * len(line)
     assert [entry[0] for entry in texts] == list(range(count + 1 - len(texts), count + 1)), "the newest, in order"
     assert answer["entries"][0][1] == "data", "the live view's points are not output: they stay"
@@ -193,3 +195,68 @@ def test_attach_says_what_the_earlier_cell_does(statuses: tuple[str, str], said:
     line = EarlierCell(journals).describe(now)  # type: ignore[arg-type]
     assert line.startswith("a cell sent by an earlier kernel ('# train') began 5 min ago"), line
     assert said in line, line
+
+
+def test_a_cell_printing_a_character_at_a_time_is_bounded_as_one_printing_long_lines() -> None:
+    journal = started_journal()
+    count = 3 * wire.TEXT_LIMIT_BYTES // wire.ENTRY_BYTES
+    for step in range(count):
+        journal.sent("stream", {"name": "stdout", "text": "\r" if step % 2 else "."}, CELL)
+    footprint = journal.footprint()
+    assert footprint["text_bytes"] <= wire.TEXT_LIMIT_BYTES, footprint
+    assert footprint["entries"] <= wire.TEXT_LIMIT_BYTES // wire.ENTRY_BYTES, "each entry counts what it costs"
+    cell = journal.answer(0, 0)["cell"]
+    assert cell is not None
+    assert cell["dropped_bytes"] + footprint["entries"] == count, "the characters dropped, not their cost"
+
+
+def bar(bar_id: int, level: int, n: int, total: int, state: str = "running") -> dict[str, Any]:
+    return {
+        "id": bar_id,
+        "level": level,
+        "desc": f"epoch {bar_id}",
+        "n": n,
+        "total": total,
+        "elapsed": n * 0.1,
+        "state": state,
+    }
+
+
+def test_past_the_messages_bound_bars_and_counters_merge_to_their_latest_and_a_follower_reads_none_twice() -> None:
+    """Messages with no point (a progress bar's, a counter's every 0.1 s) count against their own bound:
+    a night of them is one merged message and the newest few, which the live view reads as it would
+    have read them all."""
+    journal = started_journal()
+    every = Feed()
+    per_epoch = 50
+    messages = 3 * wire.MESSAGES_LIMIT
+    seen: list[list[Any]] = []
+    read_from = 0
+    for seq in range(messages):
+        epoch, n = divmod(seq, per_epoch)
+        bars = [bar(epoch, 1, n + 1, per_epoch, "done" if n + 1 == per_epoch else "running")]
+        if n == 0:
+            bars.insert(0, bar(10_000, 0, epoch, messages // per_epoch))  # the outer loop steps once an epoch
+        sent = {**message(seq, 0, 0, bars=bars), "metrics": {}, "count": seq, "calls": seq}
+        journal.data(sent)
+        every(0, {message_key(seq): wire.as_json(sent)})
+        if seq % 13 == 0:  # a kernel following the cell reads as it goes
+            page = journal.answer(read_from, wire.PAGE_BYTES)["entries"]
+            seen.extend(page)
+            read_from = page[-1][0] + 1 if page else read_from
+        assert journal.footprint()["messages"] <= wire.MESSAGES_LIMIT
+    seen.extend(journal.answer(read_from, 1 << 30)["entries"])
+    numbers = [entry[0] for entry in seen]
+    assert numbers == sorted(set(numbers)) == list(range(messages)), "every message read once, in order"
+    kept = journal.answer(0, 1 << 30)
+    cell = kept["cell"]
+    assert cell is not None and cell["merged"] >= messages - wire.MESSAGES_LIMIT and cell["thinned"] == 0
+    merged = kept["entries"][0][2]
+    assert len(merged["bars"]) == 2, "one bar per nesting level, not one per loop that ever ran"
+    later = Feed()  # a kernel attaching after the night reads what is kept
+    for _number, _, payload, _ in kept["entries"]:
+        later(0, {message_key(payload["seq"]): payload})
+    assert later.ranks[0].lost == 0 and later.ranks[0].count == every.ranks[0].count == messages - 1
+    assert {key: (b.id, b.n, b.total, b.state) for key, b in later.bars.items()} == {
+        key: (b.id, b.n, b.total, b.state) for key, b in every.bars.items()
+    }, "the final bars as a kernel that saw every message shows them"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import DDPUsageError
 from ..world import spare
 from ..world.provisioning.local import read_profile_ahead
 from .arguments import parse_line
@@ -72,7 +73,10 @@ def unload(ipython: Any) -> None:
     if worlds is None:
         return
     if worlds.world is not None:
-        worlds.world.stop()
+        try:
+            worlds.world.stop()
+        except DDPUsageError:  # a detached world another kernel took: let go of, it runs on there
+            pass
         worlds.world = None
     for cls in MAGICS_CLASSES:
         magics = registry.pop(cls.__name__, None)

@@ -115,6 +115,11 @@ class DDPMagics(Magics):
     @argument("--cluster-id", default=None, help="the cluster's id (ipcluster start --cluster-id ...)")
     @argument("-n", default=None, help="ranks: wait for this many engines (default: those registered now)")
     @argument("--world", default=None, help="a detached world's id (%%ddp_worlds lists them)")
+    @argument(
+        "--take-over",
+        action="store_true",
+        help="a detached world another live kernel is attached to: take it from that kernel",
+    )
     @world_args
     @line_magic
     @usage_errors
@@ -122,18 +127,21 @@ class DDPMagics(Magics):
         """Attach again to a detached world, or build a world from the engines of an ipyparallel cluster.
 
         `%ddp_attach`: this notebook's newest detached world (`%ddp_start N --detach`), else the only
-        one of yours; `%ddp_attach --world ID` names one. `%ddp_stop` then ends it.
+        one of yours; `%ddp_attach --world ID` names one. `%ddp_stop` then ends it. While another live
+        kernel is attached to it the attach is refused; `%ddp_attach --take-over` takes it from that kernel.
         `%ddp_attach --ipp-profile mpi`, `%ddp_attach --cluster-id 1712345678-abcd`, or
         `%ddp_attach path/to/ipcontroller-client.json`: an ipcluster's engines, which `%ddp_stop`
         leaves running.
         """
         args = parse_line(self.ddp_attach, line)
         if args.world is not None or not (args.url_file or args.ipp_profile or args.cluster_id or args.n):
-            self._start(DDPCluster.attach_detached(args.world), args.restart)
+            self._start(DDPCluster.attach_detached(args.world, take_over=args.take_over), args.restart)
             return
+        if args.take_over:
+            raise DDPUsageError("--take-over is for a detached world (%ddp_attach --take-over [--world ID])")
         n_ranks = config.parse_rank_count(args.n) if args.n is not None else None
         check_backend(args.backend)
-        options = build_options(args, "url_file", "ipp_profile", "cluster_id", "n", "restart", "world")
+        options = build_options(args, "url_file", "ipp_profile", "cluster_id", "n", "restart", "world", "take_over")
         world = DDPCluster.attach_to(
             args.url_file, ipp_profile=args.ipp_profile, cluster_id=args.cluster_id, n_ranks=n_ranks, **options
         )
@@ -141,6 +149,8 @@ class DDPMagics(Magics):
 
     def _start(self, world: DDPCluster, restart: bool) -> None:
         current = self.world
+        if current is not None and current.running:
+            current.let_go_if_taken()  # a detached world another kernel took is not this kernel's to keep
         if current is not None and current.running:
             if not restart:
                 if current.config == world.config:

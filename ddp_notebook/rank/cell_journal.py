@@ -39,10 +39,12 @@ class _Cell:
         self.told: list[str] = []
         self.entries: list[list[Any]] = []  # [number, kind, payload, bytes, when]
         self.next = 0
-        self.text_bytes = 0
+        self.text_bytes = 0  # of the output kept, ENTRY_BYTES counted for each entry
+        self.messages = 0  # live-view messages kept
         self.points = 0
         self.dropped_bytes = 0
         self.thinned = 0
+        self.merged = 0
 
     def summary(self) -> wire.JournalCell:
         return {
@@ -58,6 +60,7 @@ class _Cell:
             "next": self.next,
             "dropped_bytes": self.dropped_bytes,
             "thinned": self.thinned,
+            "merged": self.merged,
         }
 
 
@@ -114,15 +117,32 @@ class CellJournal:
             size = 0
             if kind == "data":
                 cell.points += wire.points_in(payload)
+                cell.messages += 1
             else:
-                size = len(payload["text"]) if kind == "stream" else len(json.dumps(payload, default=str))
+                text = len(payload["text"]) if kind == "stream" else len(json.dumps(payload, default=str))
+                size = text + wire.ENTRY_BYTES
                 cell.text_bytes += size
             cell.entries.append([cell.next, kind, payload, size, time.time()])
             cell.next += 1
             if cell.text_bytes > wire.TEXT_LIMIT_BYTES:
                 _drop_oldest_text(cell)
             if cell.points > wire.POINTS_LIMIT:
-                _thin_oldest_points(cell)
+                _merge_oldest_messages(cell, thin=True)
+            elif cell.messages > wire.MESSAGES_LIMIT:
+                _merge_oldest_messages(cell, thin=False)
+
+    def footprint(self) -> wire.JournalFootprint:
+        """What the newest cell's record holds now, against the bounds `wire.journal` states."""
+        with self._lock:
+            cell = self._cell
+            if cell is None:
+                return {"entries": 0, "text_bytes": 0, "messages": 0, "points": 0}
+            return {
+                "entries": len(cell.entries),
+                "text_bytes": cell.text_bytes,
+                "messages": cell.messages,
+                "points": cell.points,
+            }
 
     # ------------------------------------------------------------------ read from the X-ray thread
 
@@ -152,21 +172,22 @@ def _drop_oldest_text(cell: _Cell) -> None:
     for entry in cell.entries:
         if cell.text_bytes > wire.TEXT_KEPT_BYTES and entry[1] != "data":
             cell.text_bytes -= entry[3]
-            cell.dropped_bytes += entry[3]
+            cell.dropped_bytes += entry[3] - wire.ENTRY_BYTES  # the output's own bytes
             continue
         kept.append(entry)
     cell.entries = kept
 
 
-def _thin_oldest_points(cell: _Cell) -> None:
-    """Past the points bound: the live-view messages but the newest RECENT_MESSAGES become one, every
-    other point of it dropped. It takes the place and the number of the oldest of them, which a
-    kernel following the cell has read already: it never reads the merged one twice."""
+def _merge_oldest_messages(cell: _Cell, thin: bool) -> None:
+    """Past the messages or the points bound: the live-view messages but the newest RECENT_MESSAGES
+    become one (`thin`: every other point of it dropped). It takes the place and the number of the
+    oldest of them, which a kernel following the cell has read already: it never reads the merged
+    one twice."""
     data = [entry for entry in cell.entries if entry[1] == "data"]
     older = data[: -wire.RECENT_MESSAGES] or data[:1]
     if len(older) < 1:
         return
-    merged = wire.merge_messages([entry[2] for entry in older], thin=True)
+    merged = wire.merge_messages([entry[2] for entry in older], thin=thin)
     gone = {id(entry) for entry in older}
     first = older[0]
     cell.entries = [
@@ -175,7 +196,9 @@ def _thin_oldest_points(cell: _Cell) -> None:
         if entry is first or id(entry) not in gone
     ]
     cell.points = sum(wire.points_in(entry[2]) for entry in cell.entries if entry[1] == "data")
-    cell.thinned += 1
+    cell.messages -= len(older) - 1
+    cell.merged += len(older) - 1
+    cell.thinned += thin
 
 
 def keep(shell: Any) -> CellJournal:

@@ -145,7 +145,8 @@ def init_world(spec: RankSpec) -> JoinReport:
 
 
 def _keep_cells_if_detached() -> None:
-    """A detached world's rank keeps its newest cell for a kernel that attaches later (`%ddp_wait`)."""
+    """A detached world's rank keeps its newest cell for a kernel that attaches later (`%ddp_wait`),
+    and runs the cells of one kernel at a time."""
     from ..wire.detached import DETACHED_ENV
 
     if not os.environ.get(DETACHED_ENV):
@@ -153,11 +154,13 @@ def _keep_cells_if_detached() -> None:
     from IPython import get_ipython
 
     from .cell_journal import keep
+    from .cell_owner import guard
     from .channel import in_rank
 
     shell = get_ipython()
     if in_rank(shell):
         keep(shell)
+        guard(shell)  # the cells of the kernel attached last only, once one attaches again
 
 
 # said at %ddp_start where a CPU rank's torch cannot run FSDP2

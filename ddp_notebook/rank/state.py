@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ..wire.detached import CellOwner
     from ..wire.profiling import MemorySample
     from .cell_journal import CellJournal
     from .channel import Channel
@@ -180,6 +181,7 @@ class RankState:
     user_files: UserFiles = field(default_factory=UserFiles)
     profiling: Profiling | None = None  # only while a %%ddp --profile cell runs
     journal: CellJournal | None = None  # a detached world's rank's newest cell, for a later kernel (%ddp_wait)
+    cell_owner: CellOwner | None = None  # a detached world's: the one kernel whose cells run (None: any)
     breakpoints: int = 0  # breakpoint() calls so far: each one's key in the store
 
 

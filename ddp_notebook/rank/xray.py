@@ -188,6 +188,10 @@ def answer_request(request: messages.Request) -> messages.Answer:
         from . import cell_journal
 
         return cell_journal.answer(dict(request))  # type: ignore[return-value]
+    if request["ask"] == "owner":  # a kernel attached to a detached world: its cells only, from now on
+        from . import cell_owner
+
+        return cell_owner.answer(dict(request))  # type: ignore[return-value]
     if request["ask"] == "watch":  # only over the signed TCP line, where the connection is held
         return messages.error_answer("watch is answered on the signed TCP line of a rank on another host")
     return messages.error_answer(f"unknown request {request.get('ask')!r}")

@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 # a field added as optional keeps the version; a changed meaning needs the next one
 ENTRY_VERSION = 1
@@ -52,10 +52,40 @@ class Entry(TypedDict):
     config: dict[str, Any]  # the world's settings a kernel attaching again needs (timeouts, ...)
     attached_pid: int  # the kernel attached now (0: none); its start time tells a reused PID apart
     attached_started: str
+    # where it runs and since when (read with .get: an entry written before them has neither)
+    attached_notebook: str
+    attached_at: float
     # the machine the world runs on (a home shared between machines shares the registry): its
     # name and boot id; an entry written before them (read with .get) is taken as this machine's
     host: str
     boot: str
+
+
+class CellOwner(TypedDict):
+    """The kernel whose cells a detached world's ranks run (`rank.cell_owner`)."""
+
+    session: str  # its ipyparallel session (each message's header names the session that sent it)
+    refusal: str  # what a cell of any other session is told instead of running
+
+
+class OwnerRequest(TypedDict):
+    """A kernel attached to a detached world: from now on, the rank runs the cells of its session only."""
+
+    v: int
+    ask: Literal["owner"]
+    session: str
+    refusal: str
+
+
+class OwnerAnswer(TypedDict):
+    v: int
+    owner: str  # the session whose cells the rank runs now
+
+
+def owner_request(session: str, refusal: str) -> OwnerRequest:
+    from .xray_messages import XRAY_VERSION
+
+    return {"v": XRAY_VERSION, "ask": "owner", "session": session, "refusal": refusal}
 
 
 class Status(TypedDict):

@@ -6,9 +6,11 @@ printed, its rich displays, its live-view messages (`wire.channel.RankMessage`) 
 A kernel reads it over the rank's X-ray line (a thread of the rank's own, so it answers while the
 cell runs), a page at a time from the entry it has seen last.
 
-The bounds, per rank: TEXT_LIMIT_BYTES of output (past it the oldest dropped, and counted), and
-POINTS_LIMIT live-view points (past it the oldest messages are merged into one and every other
-point of it dropped: the curve keeps its shape, its past at a coarser step). Standard library only.
+The bounds, per rank, whatever the cell runs for: TEXT_LIMIT_BYTES of output, each entry counted
+with ENTRY_BYTES besides its text (past it the oldest dropped, and counted); MESSAGES_LIMIT live-view
+messages (past it the oldest are merged into one: each bar at its latest, the counters the newest
+gave); POINTS_LIMIT live-view points (past it the oldest messages are merged and every other point
+of them dropped: the curve keeps its shape, its past at a coarser step). Standard library only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from typing import Any, Literal, TypedDict
 # until three quarters of it are left (not one chunk at a time: each pass walks the whole record)
 TEXT_LIMIT_BYTES = 1 << 20
 TEXT_KEPT_BYTES = TEXT_LIMIT_BYTES * 3 // 4
+# what an entry costs the rank besides its text (its list, its dict, its numbers): a cell printing
+# one character at a time is bounded as one printing long lines
+ENTRY_BYTES = 128
+# the live-view messages a rank keeps of its newest cell: a progress bar or a counter sends one every
+# flush (0.1 s) with no point in it, which the points bound never sees; past the limit the oldest
+# are merged into one, each bar at its latest (a night of bars is one message and the newest few)
+MESSAGES_LIMIT = 2048
 # the live-view points (a metric's step and value) a rank keeps of its newest cell
 POINTS_LIMIT = 250_000
 # live-view messages left as they are when the older ones are merged: a kernel following the cell
@@ -66,6 +75,16 @@ class JournalCell(TypedDict):
     next: int  # the number the next entry will have
     dropped_bytes: int  # output dropped past TEXT_LIMIT_BYTES
     thinned: int  # times the oldest live-view points were thinned past POINTS_LIMIT
+    merged: int  # live-view messages merged into older ones past MESSAGES_LIMIT or POINTS_LIMIT
+
+
+class JournalFootprint(TypedDict):
+    """What a rank's journal holds now, against its bounds."""
+
+    entries: int
+    text_bytes: int  # output and displays, ENTRY_BYTES counted for each (bound: TEXT_LIMIT_BYTES)
+    messages: int  # live-view messages (bound: MESSAGES_LIMIT)
+    points: int  # live-view points (bound: POINTS_LIMIT)
 
 
 class JournalAnswer(TypedDict):
@@ -89,9 +108,10 @@ def points_in(message: dict[str, Any]) -> int:
 
 def merge_messages(messages: Sequence[dict[str, Any]], thin: bool) -> dict[str, Any]:
     """Live-view messages `messages` (oldest first) as one, as the feed would have read them all: the
-    points of each metric in order (every other one of them if `thin`, the last kept), each bar as it
-    stood last, the counters and state of the newest. It carries the sequence number of the newest
-    and, as `first`, of the oldest: the feed counts no lost messages in between."""
+    points of each metric in order (every other one of them if `thin`, the last kept), the newest bar
+    of each nesting level as it stood last (the live view shows no other: an older loop's bar at a
+    level gave way to the next), the counters and state of the newest. It carries the sequence number
+    of the newest and, as `first`, of the oldest: the feed counts no lost messages in between."""
     newest = messages[-1]
     metrics: dict[str, list[array[Any]]] = {}
     for message in messages:
@@ -105,10 +125,12 @@ def merge_messages(messages: Sequence[dict[str, Any]], thin: bool) -> dict[str, 
         for kept in metrics.values():
             start = (len(kept[1]) - 1) % 2  # the newest point stays
             kept[0], kept[1] = kept[0][start::2], kept[1][start::2]
-    bars: dict[int, Any] = {}
+    bars: dict[int, Any] = {}  # level -> its newest bar
     for message in messages:
         for bar in message.get("bars", []):
-            bars[bar["id"]] = bar
+            level = bar.get("level", 0)
+            if level not in bars or bar["id"] >= bars[level]["id"]:
+                bars[level] = bar
     explicit = sorted({name for message in messages for name in message.get("explicit", [])})
     merged = {
         **newest,

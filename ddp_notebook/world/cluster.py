@@ -36,7 +36,7 @@ from ..live import stragglers, trackers
 from ..live.profile_view import ProfileReport
 from ..rank import calls as rank_calls
 from ..wire.results import CellResult, Death, MemoryReading, RankInfo, RankStatus
-from . import cell_run, config, earlier_cell, export, following, forming, provisioning, regroup, transfer
+from . import cell_run, config, earlier_cell, export, following, forming, ownership, provisioning, regroup, transfer
 from . import sync as file_sync
 from .cell_request import CellRequest
 from .config import WorldConfig
@@ -115,12 +115,14 @@ class DDPCluster:
         return cls(n_ranks, attach=target, **options)
 
     @classmethod
-    def attach_detached(cls, world: str | None = None, **options: Any) -> DDPCluster:
+    def attach_detached(cls, world: str | None = None, *, take_over: bool = False, **options: Any) -> DDPCluster:
         """A world of the detached world `world` (an id `%ddp_worlds` lists; default: this notebook's
-        newest, else the user's only one), every rank's variables kept; `stop()` ends it. `%ddp_attach`."""
+        newest, else the user's only one), every rank's variables kept; `stop()` ends it. `%ddp_attach`.
+        Refused while another live kernel is attached to it, unless `take_over` (that kernel's next
+        call then lets go of it: `%ddp_attach --take-over`)."""
         from . import detached
 
-        return cls(detached.attach_config(detached.choose(world), **options))
+        return cls(detached.attach_config(detached.choose(world), take_over=take_over, **options))
 
     # ------------------------------------------------------------------ what it is
 
@@ -258,11 +260,14 @@ class DDPCluster:
     def stop(self) -> bool:
         """Stop every rank and the controller. Returns False if nothing was running.
 
-        An attached world lets go of its engines and leaves them running.
+        An attached world lets go of its engines and leaves them running. A detached world another
+        kernel took since is let go of, not ended, and `DDPUsageError` says who took it.
         """
         world = self._world
         if world is None:
             return False
+        if self.config.detach:
+            ownership.refuse_if_taken(world, self._let_go)
         regroup.leave_process_group(world, self.broken)  # before the processes go: gloo/nccl abort otherwise
         world.supervisor.close()
         self.tracking.close()
@@ -280,6 +285,28 @@ class DDPCluster:
         shell.extension_manager.load_extension("ddp_notebook")  # harmless when loaded already
         shell.magics_manager.registry["DDPMagics"].adopt(self)
         return self
+
+    def let_go_if_taken(self) -> str | None:
+        """A detached world another kernel took since this one attached: let go of it (it runs on,
+        there) and say who took it; None while it is this kernel's (or not detached)."""
+        world = self._world
+        if world is None or not self.config.detach:
+            return None
+        try:
+            ownership.refuse_if_taken(world, self._let_go)
+        except DDPUsageError as taken:
+            return str(taken)
+        return None
+
+    def _let_go(self) -> None:
+        """Another kernel took this detached world: this one lets go of it, ending nothing."""
+        world, self._world = self._world, None
+        if world is None:
+            return
+        world.supervisor.close()
+        self.tracking.close()
+        self._lifecycle.stopped()
+        world.provisioner.let_go()
 
     def _teardown(self, provisioner: provisioning.Provisioner) -> None:
         self._world = None
@@ -488,6 +515,8 @@ class DDPCluster:
     def _require_running(self, allow_broken: bool = False) -> RunningWorld:
         if self._world is None:
             raise NotRunningError("no DDP world is running: start one first (%ddp_start N, or DDPCluster(N).start())")
+        if self.config.detach:  # one kernel at a time: another may have taken it since
+            ownership.refuse_if_taken(self._world, self._let_go)
         if self.broken and not allow_broken:
             raise WorldBrokenError(
                 f"the world is broken ({name_deaths(self.broken)}): "

@@ -268,6 +268,7 @@ class AttachTarget:
     profile: str | None = None
     cluster_id: str | None = None
     world: str | None = None  # a detached world's id: its entry in the user's registry says where it is
+    take_over: bool = False  # a detached world's: attach even while another live kernel is attached
 
     def describe(self) -> str:
         if self.world:

@@ -58,7 +58,10 @@ def record(world: RunningWorld) -> None:
             "config": {name: getattr(config, name) for name in KEPT_SETTINGS},
         }
     ranks = [world.ranks[rank] for rank in sorted(world.ranks)]
-    me = os.getpid()
+    me, started = os.getpid(), started_at(os.getpid())
+    # since when this kernel is attached: kept while it stays the one (the entry is written again at a heal)
+    stays = previous.get("attached_pid") == me and previous.get("attached_started") == started
+    since = float(previous.get("attached_at", 0.0)) if stays else time.time()
     entry: wire.Entry = {
         "version": wire.ENTRY_VERSION,
         "id": world_id,
@@ -76,7 +79,9 @@ def record(world: RunningWorld) -> None:
         "routes": {str(rank): list(route) for rank, route in world.layout.routes.items()},
         "config": previous["config"],
         "attached_pid": me,
-        "attached_started": started_at(me),
+        "attached_started": started,
+        "attached_notebook": notebook_path(),
+        "attached_at": since or time.time(),
         "host": this_machine()[0],
         "boot": this_machine()[1],
     }
@@ -218,14 +223,15 @@ def _notebook_name(entry: wire.Entry) -> str:
     return os.path.basename(entry["notebook"]) if entry["notebook"] else "an unnamed kernel"
 
 
-def attach_config(entry: wire.Entry, **options: Any) -> WorldConfig:
-    """The settings of a kernel's world attached to the detached world `entry` (`options` win)."""
+def attach_config(entry: wire.Entry, take_over: bool = False, **options: Any) -> WorldConfig:
+    """The settings of a kernel's world attached to the detached world `entry` (`options` win);
+    `take_over`: even while another live kernel is attached to it (`world.ownership`)."""
     kept = {BUILD_KEYWORDS.get(name, name): value for name, value in entry["config"].items()}
     settings = {**kept, **options}
     return WorldConfig.build(
         entry["size"],
         backend=entry["backend"],
-        attach=AttachTarget(url_file=entry["connection_file"], world=entry["id"]),
+        attach=AttachTarget(url_file=entry["connection_file"], world=entry["id"], take_over=take_over),
         detach=True,
         idle_limit=entry["idle_limit"],
         **settings,

@@ -72,8 +72,23 @@ class Provisioner(ABC):
 
     def remove_private_dir(self) -> None:
         """Remove the world's private folder, its processes gone (a detached world attached again keeps
-        it unless it was ended)."""
-        shutil.rmtree(self.private_dir, ignore_errors=True)
+        it unless it was ended; one this kernel let go of keeps it)."""
+        if not self.let_go_of:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    # another kernel took this detached world: its processes and files are that kernel's now
+    let_go_of = False
+
+    def let_go(self) -> None:
+        """Another kernel took this detached world (`world.ownership`): close this kernel's connection
+        to it and end nothing of it."""
+        client, self.client = self.client, None
+        self.let_go_of = True
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("closing the client failed", exc_info=True)
 
     def keep_warm(self) -> object:
         """What the next world of a restart may reuse (a warm template), taken out of this one's stop."""

@@ -172,6 +172,10 @@ class ControlledProvisioner(Provisioner):
     def controller_pid(self) -> int | None:
         return processes.controller_pid(self.cluster)
 
+    def let_go(self) -> None:
+        self.cluster = None  # its launchers are the world's now: nothing of them is stopped here
+        super().let_go()
+
     def stop(self) -> None:
         client, cluster = self.client, self.cluster
         self.client = self.cluster = None

@@ -24,7 +24,7 @@ from ...platform import processes
 from ...platform.cluster_files import remove_cluster_files
 from ...wire import detached as wire
 from ...wire.results import RankInfo
-from .. import detached
+from .. import detached, ownership
 from .base import Formed, Provisioner
 from .controlled import STOP_SECONDS
 
@@ -57,6 +57,7 @@ class DetachedProvisioner(Provisioner):
         target = self.config.launch.attach
         if self.found is None or not detached.alive(self.found):
             raise DDPUsageError(f"{target.describe()} is not running any more (%ddp_worlds lists those that are)")
+        ownership.claim(self.found, target.take_over)
         try:
             self.client = ipp.Client(self.entry["connection_file"], timeout=min(10.0, self.config.start_timeout))
         except (OSError, TimeoutError, ValueError, KeyError) as failure:
@@ -105,13 +106,14 @@ class DetachedProvisioner(Provisioner):
         if first:  # as the kernel attaches: the ranks' journals answer from a thread of their own, at once
             from ..earlier_cell import earlier_cell
 
+            ownership.tell_ranks(world)  # from now on they run this kernel's cells only
             self.earlier_cell = earlier_cell(world)
             # a cell sent now would queue behind one still running: each cell looks until it ended
             world.earlier_cell_checked = self.earlier_cell is None or not self.earlier_cell.running
 
     def stop(self) -> None:
         client, self.client = self.client, None
-        if not self.attached:  # the attach failed midway: the world goes on as it was
+        if not self.attached or self.let_go_of:  # the attach failed midway: the world goes on as it was
             if client is not None:
                 client.close()
             return
