@@ -53,14 +53,6 @@ class AttachedKernel:
         return f"PID {self.pid}{where}, attached at {clock} ({detached.ago(max(0.0, now - self.since))} ago){gone}"
 
 
-def other_kernel(entry: wire.Entry) -> AttachedKernel | None:
-    """The live kernel other than this one that `entry` says is attached (None: none, or this one)."""
-    pid = detached.attached_kernel(entry)
-    if pid is None or pid == os.getpid():
-        return None
-    return AttachedKernel(pid, entry.get("attached_notebook", ""), float(entry.get("attached_at", 0.0)))
-
-
 def taken_by(entry: wire.Entry) -> AttachedKernel | None:
     """The kernel other than this one that `entry` names as attached last, alive or gone since (None:
     this one, or none): once another kernel attached, this one's hold on the world is over."""
@@ -74,8 +66,8 @@ def taken_by(entry: wire.Entry) -> AttachedKernel | None:
 def claim(entry: wire.Entry, take_over: bool) -> None:
     """Before this kernel attaches to the world of `entry`: refused while another live kernel is
     attached to it, unless `take_over`."""
-    holder = other_kernel(entry)
-    if holder is not None and not take_over:
+    holder = taken_by(entry)
+    if holder is not None and holder.alive and not take_over:
         raise DDPUsageError(
             f"the detached world {entry['id']} is attached to another kernel, {holder.describe()}: run its "
             "cells there, or %ddp_attach --take-over takes it from that kernel (whose next call is refused)"
