@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -385,3 +386,55 @@ def test_a_rank_sees_each_message_its_kernel_sends_and_the_request_it_runs(world
         assert {"stream", "display_data", "execute_reply"} <= set(kinds), kinds
     finally:
         engine.execute("del get_ipython().kernel.session.send", silent=False).get(timeout=30)
+
+
+# a ZMTP 1.0 greeting (an empty identity: its length byte, then its flags), then two frames each
+# sent as a message of its own: libzmq takes a peer that greets it so, with no socket type check
+ZMTP_1_FRAMES = b"\x01\x00" + b"\x05\x00junk" + b"\x0a\x00more junk"
+
+
+def _send_frames(port: int) -> None:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+            connection.sendall(ZMTP_1_FRAMES)
+            time.sleep(0.05)  # the frames are read before the connection goes
+    except OSError:
+        pass
+
+
+def test_frames_anyone_sends_the_controllers_ports_stop_none_of_the_clients_streams(world: DDPCluster) -> None:
+    """Any local user can connect to the controller's loopback ports; frames sent in ZMTP 1.0 reach
+    its queues, which forward them to the client with no delimiter. The client drops them
+    (`drop_malformed_messages`): the running cell's every line and its reply arrive, the next runs."""
+    import psutil
+    import zmq
+
+    assert world.provisioner is not None and world.provisioner.controller_pid is not None
+    controller = psutil.Process(world.provisioner.controller_pid)
+    ports = sorted({c.laddr.port for c in controller.net_connections("inet") if c.status == psutil.CONN_LISTEN})
+    assert ports, "the controller listens on no port"
+    client = _client(world)
+    assert ipp_adapter.drop_malformed_messages() == list(ipp_adapter._CLIENT_DISPATCHERS)
+    assert client._dispatch_iopub([zmq.Frame(b"junk")]) is None  # dropped, nothing raised
+
+    def send_while_the_cell_runs() -> None:
+        time.sleep(0.5)
+        for port in ports:
+            _send_frames(port)
+
+    sender = threading.Thread(target=send_while_the_cell_runs)
+    sender.start()
+    try:
+        result = world.execute(
+            "import time\nfor i in range(30):\n    print('line', i, flush=True)\n    time.sleep(0.05)\n'done'",
+            stream=False,
+            timeout=60,
+        )
+    finally:
+        sender.join(30)
+    for rank in range(len(world.ranks)):
+        assert result.stdout[rank].split("\n").count("line 29") == 1, result.stdout[rank]
+        assert len(result.stdout[rank].strip().splitlines()) == 30, result.stdout[rank]
+        assert result.value_text(rank) == "'done'"
+    last = len(world.ranks) - 1
+    assert world.execute("rank", stream=False).value_text(last) == str(last)

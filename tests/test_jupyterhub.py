@@ -244,6 +244,14 @@ def junk(port):
             return b""
 
 
+def zmtp_1_frames(port):
+    # libzmq speaks ZMTP 1.0 to a peer that greets it so (an identity frame), checking no socket type
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        s.sendall(b"\\x01\\x00" + b"\\x05\\x00junk" + b"\\x0a\\x00more junk")
+        time.sleep(0.05)
+    return "sent"
+
+
 def store(port):
     store = dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=0.5), use_libuv=False)
     store.set("written by B", "x")
@@ -285,6 +293,7 @@ attempt("A's processes' environment", lambda: [open(f"/proc/{{pid}}/environ", "r
 attempt("a signal to A's processes", lambda: [os.kill(pid, 0) for pid in A_PIDS])
 for port in A_PORTS:
     attempt(f"port {{port}}: bytes of its own", lambda: junk(port))
+    attempt(f"port {{port}}: frames in ZMTP 1.0", lambda: zmtp_1_frames(port))
     attempt(f"port {{port}}: a rendezvous store", lambda: in_a_child(lambda: store(port), 2))
     attempt(f"port {{port}}: an unsigned execute_request", lambda: in_a_child(lambda: execute_unsigned(port), 3))
 """

@@ -9,9 +9,12 @@ moves one of these fails there first.
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+log = logging.getLogger("ddp_notebook")
 
 
 def message_futures(async_result: Any) -> Sequence[Any]:
@@ -178,3 +181,47 @@ class WatchedExit:
             self.loop.add_callback(lambda: self.notify_stop(data))  # type: ignore[attr-defined]
         except RuntimeError:  # the loop has closed: the cluster stopped, nobody waits for it
             pass
+
+
+# the Client's handlers of what its streams receive, each unpacking a message before it reads it
+_dropped = [0]  # messages dropped so far in this process
+_CLIENT_DISPATCHERS = ("_dispatch_single_reply", "_dispatch_notification", "_dispatch_reply", "_dispatch_iopub")
+
+
+def drop_malformed_messages() -> list[str]:
+    """Make the client drop a message that has no delimiter frame, as it drops an unsigned one.
+
+    ipyparallel's `unpack_message` looks for the delimiter before its own `try`: such a message
+    raises out of the stream's callback, and the stream, its socket's events edge-triggered, reads
+    nothing more (the cell's output stops there, its replies never come). A controller's ports are
+    open to every local user, and libzmq speaks ZMTP 1.0 to a peer that greets it so, with no socket
+    type check: a few bytes to a port put frames of one's choosing into its queues, which forward
+    them to the client. Returns the handlers it guards (none where this ipyparallel has none of them).
+    """
+    from ipyparallel.client.client import Client
+
+    guarded = []
+    for name in _CLIENT_DISPATCHERS:
+        dispatch = getattr(Client, name, None)
+        if dispatch is None:
+            continue
+        if not getattr(dispatch, "drops_malformed", False):
+            setattr(Client, name, _dropping_malformed(dispatch))
+        guarded.append(name)
+    return guarded
+
+
+def _dropping_malformed(dispatch: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def guarded(client: Any, msg_parts: Any) -> Any:
+        try:
+            client.session.feed_identities(msg_parts, copy=False)
+        except ValueError:
+            _dropped[0] += 1
+            if _dropped[0] == 1:  # once: whoever sends them can send many
+                log.warning("dropped a message with no delimiter on the world's client (more are dropped silently)")
+            return None
+        return dispatch(client, msg_parts)
+
+    guarded.drops_malformed = True  # type: ignore[attr-defined]
+    guarded.__name__ = getattr(dispatch, "__name__", "dispatch")
+    return guarded

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ...cell import ipp_adapter
 from ...errors import DDPUsageError
 from ...platform import processes
 from ...platform.limits import OomVerdict
@@ -37,6 +38,8 @@ class Provisioner(ABC):
         self.config = config
         self.private_dir = private_dir
         self.client: Any = None
+        # before any client connects: frames anyone may send the controller's ports stop no stream
+        ipp_adapter.drop_malformed_messages()
 
     @abstractmethod
     def start(self) -> Any:
