@@ -408,10 +408,12 @@ def large_metrics(ranks: int, steps: int, behind: bool) -> Metrics:
 def test_band_of_1024_ranks_by_2000_steps_is_fast(behind: bool) -> None:
     metrics = large_metrics(1024, 2000, behind)
     seconds = math.inf
-    for _ in range(2):  # the better of two: a busy machine's pause is not band()'s
-        started = time.perf_counter()
+    for _ in range(2):  # the better of two: the first pays for what the second finds in the caches
+        # this thread's CPU time: on a machine whose cores other processes keep busy (the suite's
+        # other worker), the wall clock also counts the time band() waited for a core
+        started = time.thread_time()
         series = band(metrics, "loss")
-        seconds = min(seconds, time.perf_counter() - started)
+        seconds = min(seconds, time.thread_time() - started)
     assert len(series) == 400 and series.steps[-1] == 1999
     assert sum(series.counts) == len(metrics)
     assert seconds < 1.0, f"band() of 1,024 ranks x 2,000 steps took {seconds:.2f} s"

@@ -42,8 +42,16 @@ def test_one(module_fixture, n):
     time.sleep(0.05)  # long enough that the other worker would take some, were the module split
     note(test=__name__, n=n)
 """
-# two modules of the one-of-a-kind group, two of their own
-MODULES = {"test_jupyterhub.py": 4, "test_limits.py": 3, "test_alpha.py": 6, "test_beta.py": 6}
+# two modules of the one-of-a-kind group, two of the hosts', one of the tour's, two of their own
+MODULES = {
+    "test_jupyterhub.py": 4,
+    "test_limits.py": 3,
+    "test_jobs.py": 3,
+    "test_multinode.py": 3,
+    "test_alpha.py": 6,
+    "test_beta.py": 6,
+    "test_docs_site.py": 2,
+}
 
 
 def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) -> None:
@@ -67,14 +75,19 @@ def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) 
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     tests = [entry for entry in entries if "test" in entry]
     assert len(tests) == sum(MODULES.values()), entries
-    workers_of = {
-        module: {entry["worker"] for entry in tests if entry["test"] == module}
-        for module in ("test_jupyterhub", "test_limits", "test_alpha", "test_beta")
-    }
+    modules = [name.removesuffix(".py") for name in MODULES]
+    workers_of = {module: {entry["worker"] for entry in tests if entry["test"] == module} for module in modules}
     assert all(len(workers) == 1 for workers in workers_of.values()), workers_of
     assert workers_of["test_jupyterhub"] == workers_of["test_limits"], workers_of  # one group, one worker
+    assert workers_of["test_jobs"] == workers_of["test_multinode"], workers_of
     setups = sorted(entry["setup"] for entry in entries if "setup" in entry)
-    assert setups == ["test_alpha", "test_beta", "test_jupyterhub", "test_limits"], entries  # each once
-    # the group's modules one after the other, handed out first
-    group = [entry["test"] for entry in tests if entry["worker"] == next(iter(workers_of["test_jupyterhub"]))]
-    assert group[:7] == ["test_jupyterhub"] * 4 + ["test_limits"] * 3, group
+    assert setups == sorted(modules), entries  # each once
+    ran_on = {worker: [entry["test"] for entry in tests if entry["worker"] == worker] for worker in ("gw0", "gw1")}
+    hub_worker, hosts_worker = (next(iter(workers_of[module])) for module in ("test_jupyterhub", "test_jobs"))
+    # the two kinds of one-of-a-kind modules, each handed out first, to a worker each
+    assert hub_worker != hosts_worker, workers_of
+    assert ran_on[hub_worker][:7] == ["test_jupyterhub"] * 4 + ["test_limits"] * 3, ran_on
+    assert ran_on[hosts_worker][:6] == ["test_jobs"] * 3 + ["test_multinode"] * 3, ran_on
+    # the tour last: after every other module was handed out
+    tour_worker = next(iter(workers_of["test_docs_site"]))
+    assert ran_on[tour_worker][-2:] == ["test_docs_site"] * 2, ran_on

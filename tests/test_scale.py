@@ -39,12 +39,19 @@ for step in ddp_notebook.progress(range({STREAM_SECONDS * 10}), desc="batch"):
         print(f"step {{step}} on rank {{rank}}")
     time.sleep(0.1)
 """
+# the others fail once rank 12 has: 64 ranks on a loaded machine of two cores can start the cell
+# more than a second apart, so a fixed head start would not make rank 12 the first
 FAILING = """%%ddp
-import time
+import os, time
+failed = {marker!r}
 if rank == 12:
+    open(failed, "w").close()
     raise ValueError("rank 12 fails on purpose")
-time.sleep(0.5 + rank / 1000)
-raise RuntimeError(f"rank {rank} gave up waiting for rank 12")
+deadline = time.monotonic() + 60
+while not os.path.exists(failed) and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.2 + rank / 1000)
+raise RuntimeError(f"rank {{rank}} gave up waiting for rank 12")
 """
 HANGING = """%%ddp --timeout 3
 import time
@@ -127,8 +134,8 @@ def test_a_large_world_shows_rank_0_and_every_warning_once_and_keeps_the_rest(la
     )
 
 
-def test_a_large_worlds_failure_and_timeout_reports_group_the_ranks(large: Kernel) -> None:
-    out, error = large.run(FAILING, timeout=120)
+def test_a_large_worlds_failure_and_timeout_reports_group_the_ranks(large: Kernel, tmp_path: Path) -> None:
+    out, error = large.run(FAILING.format(marker=str(tmp_path / "rank-12-failed")), timeout=120)
     assert error == "RankError", out
     assert "rank 12 failed first (root cause):" in out
     assert (

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddp_notebook.platform.processes import OWNER_FOLDERS_ENV, OWNER_PID_ENV, SLOT_ENV
+from ddp_notebook.platform.processes import OWNER_FOLDERS_ENV, OWNER_PID_ENV, SLOT_ENV, pid_alive
 
 OWNER_POLL_SECONDS = 0.2
 
@@ -103,14 +103,10 @@ class _Template:
     def _owner_alive(self) -> bool:
         if os.getppid() != self.parent:
             return False  # re-parented: whoever started us is gone
-        if self.owner:
-            try:
-                os.kill(self.owner, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-        return True
+        # a killed kernel stays a zombie until its own parent reaps it: a template that is not the
+        # kernel's child (one the test suite forks from a source of its own) must not take that for
+        # a live kernel, as a rank started by a launcher does not
+        return not self.owner or pid_alive(self.owner)
 
     def _read(self, connection: socket.socket) -> bool:
         data = connection.recv(65536)

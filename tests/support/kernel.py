@@ -10,6 +10,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.manager import KernelManager
@@ -36,12 +37,39 @@ class CellOutput:
 
 
 START_ATTEMPTS = 3
+# where the session's template source listens while the running test wants a spare (set by
+# tests/support/spare_keeper.py; None: each kernel starts its own spare, as a user's does)
+spare_source: Callable[[], tuple[str, Any] | None] = lambda: None  # noqa: E731
+REPOSITORY = str(Path(__file__).resolve().parents[2])
+# run in a new kernel before its first cell: its spare template is forked from the session's source
+# (torch imported once for the session) where a kernel's `%load_ext` would start one that imports it
+ADOPT_SPARE = """
+def _adopt_spare(socket_path, signature):
+    import sys
+    added = {repository!r} not in sys.path
+    if added:
+        sys.path.append({repository!r})
+    try:
+        from ddp_notebook.world import spare, template
+        from tests.support.template_source import fork_template
+
+        if [template.start_signature()[0], [list(pair) for pair in template.start_signature()[1]]] != signature:
+            return  # the kernel would start another kind of template: it starts its own
+        forked = fork_template(socket_path)
+        if forked is not None:
+            spare.hand_over(forked)
+    finally:
+        if added:
+            sys.path.remove({repository!r})
+_adopt_spare({socket_path!r}, {signature!r})
+del _adopt_spare
+"""
 
 
 class Kernel:
     """A real ipykernel with helpers to run a cell and collect what it printed."""
 
-    def __init__(self, cwd: str | None = None) -> None:
+    def __init__(self, cwd: str | None = None, spare_from_source: bool = True) -> None:
         for attempt in range(START_ATTEMPTS):
             self.manager = KernelManager(kernel_name="python3")
             self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
@@ -60,6 +88,23 @@ class Kernel:
                 if "Kernel died" not in str(failure) or attempt == START_ATTEMPTS - 1:
                     raise
         self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
+        source = spare_source() if spare_from_source else None
+        if source is not None:
+            self._run_quietly(ADOPT_SPARE.format(repository=REPOSITORY, socket_path=source[0], signature=source[1]))
+
+    def _run_quietly(self, code: str, timeout: float = 30) -> None:
+        """Run `code` as a frontend's silent request: no output, no history, no execution count."""
+        msg_id = self.client.execute(code, silent=True, store_history=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reply = self.client.get_shell_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                assert reply["content"]["status"] == "ok", reply["content"]
+                return
+        raise TimeoutError(f"no reply to a silent request within {timeout} s")
 
     def run(
         self,

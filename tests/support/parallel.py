@@ -6,16 +6,19 @@ half the time, and two keep them busy. Each worker is a test process of its own,
 shared world, spare template and source (tests/support/spare_keeper.py), its own processes
 (owned_pids) and its own ipyparallel profile (tests/conftest.py). What stays one at a time:
 
-- the modules that use what the machine has one of (network-namespace hosts with their sshd and
-  Slurm daemons, a hub and its Linux users, cgroups, chromium with JupyterLab, whose live view's
-  timings a second worker's load would stretch): one after another, on one worker;
+- the modules that use what the machine has one of, each kind one after another on one worker: the
+  network-namespace hosts with their sshd and Slurm daemons (`hosts`); a hub and its Linux users,
+  cgroups, chromium with JupyterLab, whose live view's timings a second browser's load would
+  stretch (`one-of-a-kind`). The two kinds share nothing and run beside each other;
 - the tour's notebooks: the Binder test's runs serve tests/test_notebooks.py and the docs site in the
   same test process (tests/conftest.py's ExecutedNotebooks), so the three run on one worker.
 
 Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`,
 and told to the workers, which parse the command line afresh); every other module is a group of its
-own (a module's fixtures are set up once, on one worker). The groups are handed out first: the
-longest work starts first, and the rest fills in around it.
+own (a module's fixtures are set up once, on one worker). The kinds of one-of-a-kind modules are
+handed out first (the longest work starts first, the rest fills in around it); the tour last: its
+Binder environment, built from the session's start at low priority, is ready by then, where a
+worker that took it first sat waiting for the build for minutes.
 """
 
 from __future__ import annotations
@@ -27,21 +30,13 @@ from typing import Any
 import pytest
 
 # in each test's id under -n (test_x.py::test_y@one-of-a-kind)
+HOSTS = "hosts"
 ONE_MACHINE = "one-of-a-kind"
 TOUR = "tour"
 LOADGROUP_INPUT = "ddp_notebook_loadgroup"
 GROUPS = {
-    ONE_MACHINE: frozenset(
-        {
-            "test_multinode.py",
-            "test_multihost_infra.py",
-            "test_jobs.py",
-            "test_fault_storm.py",
-            "test_jupyterhub.py",
-            "test_limits.py",
-            "test_browser.py",
-        }
-    ),
+    HOSTS: frozenset({"test_multinode.py", "test_multihost_infra.py", "test_jobs.py", "test_fault_storm.py"}),
+    ONE_MACHINE: frozenset({"test_jupyterhub.py", "test_limits.py", "test_browser.py"}),
     TOUR: frozenset({"test_binder.py", "test_notebooks.py", "test_docs_site.py"}),
 }
 
@@ -88,15 +83,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     config.option.loadgroup = True  # what pytest-xdist's hook reads to add the group to each test's id
     groups = list(GROUPS)
-    grouped: list[tuple[int, pytest.Item]] = []
+    first: list[tuple[int, pytest.Item]] = []
+    middle: list[pytest.Item] = []
+    last: list[pytest.Item] = []
     for item in items:
         path = Path(str(item.path))
         group = group_of(path)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-            grouped.append((groups.index(group), item))
-        else:  # a test without a group is a unit of its own under loadgroup: its module is one
+        if group is None:  # a test without a group is a unit of its own under loadgroup: its module is one
             item.add_marker(pytest.mark.xdist_group(path.stem))
-    grouped.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
-    first = {id(item) for _, item in grouped}
-    items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]
+            middle.append(item)
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+        if group == TOUR:
+            last.append(item)
+        else:
+            first.append((groups.index(group), item))
+    first.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
+    items[:] = [item for _, item in first] + middle + last

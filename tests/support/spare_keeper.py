@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import ddp_notebook
 from ddp_notebook.world import spare, template
-from tests.support import lanes
+from tests.support import kernel, lanes
 from tests.support.template_source import TemplateSource
 
 # their tests start worlds without a spare, watch the spare itself, or what an unstarted world holds;
@@ -92,6 +93,21 @@ def start_spare() -> None:
             spare.hand_over(forked)
         else:
             ddp_notebook.warm_up()
+
+
+def source_for_kernels() -> tuple[str, Any] | None:
+    """Where a test's kernel forks its spare (the source's socket, and the start-up signature a
+    kernel must have for a fork of it to be what it would start): while the test wants a spare."""
+    if not KEEPER.wanted.is_set() or os.environ.get(spare.SPARE_ENV, "1") == "0":
+        return None
+    path = SOURCE.socket_path()
+    if path is None:
+        return None
+    python, startup = SOURCE.signature
+    return path, [python, [list(pair) for pair in startup]]
+
+
+kernel.spare_source = source_for_kernels
 
 
 def session_pids() -> set[int]:
