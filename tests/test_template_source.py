@@ -15,7 +15,8 @@ from ddp_notebook import DDPCluster
 from ddp_notebook.platform.processes import OWNER_PID_ENV
 from ddp_notebook.world import spare
 from ddp_notebook.world.provisioning import LocalProvisioner
-from tests.support.processes import pid_alive, wait_gone
+from tests.support.kernel import ADOPT_SPARE, REPOSITORY, Kernel, kernel_world_pids
+from tests.support.processes import owned_pids, pid_alive, wait_gone
 from tests.support.template_source import TemplateSource
 
 pytestmark = pytest.mark.integration
@@ -57,6 +58,40 @@ def test_a_spare_forked_from_the_source_forks_a_world_and_ends_with_it(
         pids = [info.pid for info in world.ranks]
     assert wait_gone([forked.pid, *pids]) == []
     assert source.pid is not None, "the source outlives the worlds forked from it"
+
+
+def test_a_kernels_spare_forked_from_the_source_is_the_kernels_and_its_world_forks_from_it(
+    source: TemplateSource,
+) -> None:
+    """What a test's kernel runs before its first cell (tests/support/kernel.py): its spare is a fork
+    of the source whose /proc/PID/environ names the kernel (the leak checks find a kernel's processes
+    by it), `%ddp_start` forks the ranks from it, and they end with the kernel."""
+    path = source.socket_path()
+    assert path is not None
+    python, startup = source.signature
+    kernel = Kernel(spare_from_source=False)
+    try:
+        kernel._run_quietly(
+            ADOPT_SPARE.format(
+                repository=REPOSITORY, socket_path=path, signature=[python, [list(pair) for pair in startup]]
+            )
+        )
+        out, error = kernel.run("from ddp_notebook.world import spare\nprint(spare.spare_pid())")
+        assert error is None, out
+        template_pid = int(out.strip())
+        kernel_pid = kernel.manager.provisioner.process.pid  # type: ignore[union-attr]
+        assert psutil.Process(template_pid).ppid() == source.pid, [(p.pid, p.name(), p.cmdline()[:4]) for p in psutil.Process(template_pid).parents()]
+        assert psutil.Process(template_pid).environ()[OWNER_PID_ENV] == str(kernel_pid)
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2", timeout=120)
+        assert error is None, out
+        pids = kernel_world_pids(kernel)
+        forked = [pid for pid in pids if psutil.Process(pid).ppid() == template_pid]  # the ranks, the controller
+        assert len(forked) == 3, (pids, template_pid)
+        assert {template_pid, *forked} <= owned_pids(kernel_pid)
+        assert not {template_pid, *forked} & owned_pids(), "none of them is the test process's"
+    finally:
+        kernel.close()
+    assert wait_gone([template_pid, *pids], seconds=30) == []
 
 
 def test_handing_over_a_spare_ends_the_one_waiting(source: TemplateSource, no_spare_left: None) -> None:

@@ -39,6 +39,7 @@ from tests.support.processes import pid_alive
 
 READY_SECONDS = 90.0  # its imports, on a machine the tests keep busy
 REPLY_SECONDS = 10.0
+SHOWN_SECONDS = 5.0  # a fork's first steps, on a machine the tests keep busy
 MODULE = "tests.support.template_source"
 
 
@@ -106,10 +107,18 @@ def _reap() -> None:
 
 
 def _fork_template(request: dict[str, Any], listener: socket.socket, connections: list[socket.socket]) -> int:
+    shown, showing = os.pipe()  # the child says when its /proc/PID/environ is the request's
     pid = os.fork()
     if pid:
+        os.close(showing)
+        ready = selectors.DefaultSelector()
+        ready.register(shown, selectors.EVENT_READ)
+        ready.select(SHOWN_SECONDS)  # a byte, or its end (it failed): the reply names it either way
+        ready.close()
+        os.close(shown)
         return pid
     try:  # the child: what `python -m ddp_notebook.rank.template_process SOCKET` would be, torch imported
+        os.close(shown)
         os.setsid()  # as TemplateClient.start starts one: a session of its own
         listener.close()
         for connection in connections:
@@ -123,6 +132,8 @@ def _fork_template(request: dict[str, Any], listener: socket.socket, connections
         os.environ.clear()
         os.environ.update(request["env"])
         show_environment(request["env"])
+        os.write(showing, b"1")
+        os.close(showing)
         from ddp_notebook.rank import template_process
 
         template_process.template_main(request["socket"])
