@@ -670,6 +670,13 @@ def run_live_notebook(page: Any, url: str, artifact: str) -> tuple[dict[str, Any
                 raise TimeoutError(f"{artifact}: the page's kernel did not answer over its websocket in 120 s")
             page.wait_for_timeout(100)
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=30_000)
+        # JupyterLab's own dialog when its theme's stylesheet came late through a loaded hub's proxy
+        # (the page works without it): a user clicks it away, as this does, before the menu
+        theme_error = page.locator('.jp-Dialog[aria-label^="Error Loading Theme"]')
+        if theme_error.count():
+            print(f"{artifact}: JupyterLab said: {theme_error.first.get_attribute('aria-label')}; dismissed")
+            theme_error.first.locator(".jp-Dialog-button").first.click(timeout=10_000)
+            theme_error.first.wait_for(state="detached", timeout=10_000)
         page.get_by_role("menuitem", name="Run", exact=True).click(timeout=30_000)
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click(timeout=30_000)
         page.wait_for_function(FIRST_CELL_RUNS_JS, timeout=30_000)

@@ -88,6 +88,7 @@ def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) 
     assert hub_worker != hosts_worker, workers_of
     assert ran_on[hub_worker][:7] == ["test_jupyterhub"] * 4 + ["test_limits"] * 3, ran_on
     assert ran_on[hosts_worker][:6] == ["test_jobs"] * 3 + ["test_multinode"] * 3, ran_on
-    # the tour last: after every other module was handed out
+    # the tour next, to a worker that ran its group: before any module of its own
     tour_worker = next(iter(workers_of["test_docs_site"]))
-    assert ran_on[tour_worker][-2:] == ["test_docs_site"] * 2, ran_on
+    before_the_tour = set(ran_on[tour_worker][: ran_on[tour_worker].index("test_docs_site")])
+    assert before_the_tour in ({"test_jupyterhub", "test_limits"}, {"test_jobs", "test_multinode"}), ran_on

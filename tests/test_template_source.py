@@ -80,7 +80,7 @@ def test_a_kernels_spare_forked_from_the_source_is_the_kernels_and_its_world_for
         assert error is None, out
         template_pid = int(out.strip())
         kernel_pid = kernel.manager.provisioner.process.pid  # type: ignore[union-attr]
-        assert psutil.Process(template_pid).ppid() == source.pid, [(p.pid, p.name(), p.cmdline()[:4]) for p in psutil.Process(template_pid).parents()]
+        assert psutil.Process(template_pid).ppid() == source.pid
         assert psutil.Process(template_pid).environ()[OWNER_PID_ENV] == str(kernel_pid)
         out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2", timeout=120)
         assert error is None, out

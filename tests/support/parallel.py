@@ -15,10 +15,11 @@ shared world, spare template and source (tests/support/spare_keeper.py), its own
 
 Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`,
 and told to the workers, which parse the command line afresh); every other module is a group of its
-own (a module's fixtures are set up once, on one worker). The kinds of one-of-a-kind modules are
-handed out first (the longest work starts first, the rest fills in around it); the tour last: its
-Binder environment, built from the session's start at low priority, is ready by then, where a
-worker that took it first sat waiting for the build for minutes.
+own (a module's fixtures are set up once, on one worker). The groups are handed out first, longest
+first: the two kinds of one-of-a-kind modules (a worker each), then the tour, to the first worker
+left with two tests or fewer of its group (pytest-xdist hands a worker more work then). By that
+time the Binder environment, built from the session's start at low priority beside the unit
+tests, is ready (about 4 minutes); the Binder test itself is the tour's 12 notebooks, run in it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,23 @@ GROUPS = {
     ONE_MACHINE: frozenset({"test_jupyterhub.py", "test_limits.py", "test_browser.py"}),
     TOUR: frozenset({"test_binder.py", "test_notebooks.py", "test_docs_site.py"}),
 }
+
+
+# the modules of most minutes (docs/testing.md's table of a full run, 2026-12-03), handed out after
+# the groups, longest first; every other module follows in the order pytest collects them
+LONGEST_MODULES = (
+    "test_torchrun_scripts.py",
+    "test_detached_world.py",
+    "test_kernel.py",
+    "test_launchers.py",
+    "test_elastic.py",
+    "test_nothing_left_behind.py",
+    "test_failures_at_every_size.py",
+    "test_failures.py",
+    "test_architecture.py",
+    "test_persisting.py",
+    "test_template.py",
+)
 
 
 def is_worker() -> bool:
@@ -62,6 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # scheduler is chosen at the session's start
     if config.getoption("numprocesses", None) and config.option.dist == "load" and not dist_asked(config):
         config.option.dist = "loadgroup"
+        # pytest-xdist hands the units out by their count of tests, most first (a unit of 4 hub tests
+        # of minutes each after a module of 50 unit tests of milliseconds): here, in the order below
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -83,20 +104,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     config.option.loadgroup = True  # what pytest-xdist's hook reads to add the group to each test's id
     groups = list(GROUPS)
-    first: list[tuple[int, pytest.Item]] = []
-    middle: list[pytest.Item] = []
-    last: list[pytest.Item] = []
+    grouped: list[tuple[int, pytest.Item]] = []
     for item in items:
         path = Path(str(item.path))
         group = group_of(path)
-        if group is None:  # a test without a group is a unit of its own under loadgroup: its module is one
-            item.add_marker(pytest.mark.xdist_group(path.stem))
-            middle.append(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+            grouped.append((groups.index(group), item))
             continue
-        item.add_marker(pytest.mark.xdist_group(group))
-        if group == TOUR:
-            last.append(item)
-        else:
-            first.append((groups.index(group), item))
-    first.sort(key=lambda pair: pair[0])  # stable: each group keeps its order
-    items[:] = [item for _, item in first] + middle + last
+        item.add_marker(pytest.mark.xdist_group(path.stem))  # a unit of its own under loadgroup: its module
+        if path.name in LONGEST_MODULES:
+            grouped.append((len(groups) + LONGEST_MODULES.index(path.name), item))
+    grouped.sort(key=lambda pair: pair[0])  # stable: each unit keeps its order
+    first = {id(item) for _, item in grouped}
+    items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]
