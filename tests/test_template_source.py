@@ -15,7 +15,7 @@ from ddp_notebook import DDPCluster
 from ddp_notebook.platform.processes import OWNER_PID_ENV
 from ddp_notebook.world import spare
 from ddp_notebook.world.provisioning import LocalProvisioner
-from tests.support.kernel import ADOPT_SPARE, REPOSITORY, Kernel, kernel_world_pids
+from tests.support.kernel import Kernel, adopt_spare_code, kernel_world_pids
 from tests.support.processes import owned_pids, pid_alive, wait_gone
 from tests.support.template_source import TemplateSource
 
@@ -68,14 +68,9 @@ def test_a_kernels_spare_forked_from_the_source_is_the_kernels_and_its_world_for
     by it), `%ddp_start` forks the ranks from it, and they end with the kernel."""
     path = source.socket_path()
     assert path is not None
-    python, startup = source.signature
     kernel = Kernel(spare_from_source=False)
     try:
-        kernel._run_quietly(
-            ADOPT_SPARE.format(
-                repository=REPOSITORY, socket_path=path, signature=[python, [list(pair) for pair in startup]]
-            )
-        )
+        kernel._run_quietly(adopt_spare_code(path, source.signature))
         out, error = kernel.run("from ddp_notebook.world import spare\nprint(spare.spare_pid())")
         assert error is None, out
         template_pid = int(out.strip())

@@ -39,7 +39,7 @@ class CellOutput:
 START_ATTEMPTS = 3
 # where the session's template source listens while the running test wants a spare (set by
 # tests/support/spare_keeper.py; None: each kernel starts its own spare, as a user's does)
-spare_source: Callable[[], tuple[str, Any] | None] = lambda: None  # noqa: E731
+spare_source: Callable[[], tuple[str, tuple[tuple[str, str], ...]] | None] = lambda: None  # noqa: E731
 REPOSITORY = str(Path(__file__).resolve().parents[2])
 # run in a new kernel before its first cell: its spare template is forked from the session's source
 # (torch imported once for the session) where a kernel's `%load_ext` would start one that imports it
@@ -53,7 +53,8 @@ def _adopt_spare(socket_path, signature):
         from ddp_notebook.world import spare, template
         from tests.support.template_source import fork_template
 
-        if [template.start_signature()[0], [list(pair) for pair in template.start_signature()[1]]] != signature:
+        python, startup = template.start_signature()
+        if [python, [list(pair) for pair in startup]] != signature:
             return  # the kernel would start another kind of template: it starts its own
         forked = fork_template(socket_path)
         if forked is not None:
@@ -64,6 +65,14 @@ def _adopt_spare(socket_path, signature):
 _adopt_spare({socket_path!r}, {signature!r})
 del _adopt_spare
 """
+
+
+def adopt_spare_code(socket_path: str, signature: tuple[str, tuple[tuple[str, str], ...]]) -> str:
+    """ADOPT_SPARE for the source at `socket_path` whose start-up signature is `signature`
+    (`ddp_notebook.world.template.start_signature()`, as lists: the kernel compares its own)."""
+    python, startup = signature
+    as_lists = [python, [list(pair) for pair in startup]]
+    return ADOPT_SPARE.format(repository=REPOSITORY, socket_path=socket_path, signature=as_lists)
 
 
 class Kernel:
@@ -90,7 +99,7 @@ class Kernel:
         self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
         source = spare_source() if spare_from_source else None
         if source is not None:
-            self._run_quietly(ADOPT_SPARE.format(repository=REPOSITORY, socket_path=source[0], signature=source[1]))
+            self._run_quietly(adopt_spare_code(*source))
 
     def _run_quietly(self, code: str, timeout: float = 30) -> None:
         """Run `code` as a frontend's silent request: no output, no history, no execution count."""

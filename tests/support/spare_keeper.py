@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -95,7 +94,7 @@ def start_spare() -> None:
             ddp_notebook.warm_up()
 
 
-def source_for_kernels() -> tuple[str, Any] | None:
+def source_for_kernels() -> tuple[str, tuple[str, tuple[tuple[str, str], ...]]] | None:
     """Where a test's kernel forks its spare (the source's socket, and the start-up signature a
     kernel must have for a fork of it to be what it would start): while the test wants a spare."""
     if not KEEPER.wanted.is_set() or os.environ.get(spare.SPARE_ENV, "1") == "0":
@@ -103,8 +102,7 @@ def source_for_kernels() -> tuple[str, Any] | None:
     path = SOURCE.socket_path()
     if path is None:
         return None
-    python, startup = SOURCE.signature
-    return path, [python, [list(pair) for pair in startup]]
+    return path, SOURCE.signature
 
 
 kernel.spare_source = source_for_kernels
