@@ -56,7 +56,7 @@ def _adopt_spare(socket_path, signature):
         python, startup = template.start_signature()
         if [python, [list(pair) for pair in startup]] != signature:
             return  # the kernel would start another kind of template: it starts its own
-        forked = fork_template(socket_path)
+        forked = fork_template(socket_path, environ_shown=True)
         if forked is not None:
             spare.hand_over(forked)
     finally:

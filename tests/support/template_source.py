@@ -78,8 +78,8 @@ def serve(socket_path: str) -> None:
                 continue
             *lines, connections[connection] = (connections[connection] + data).split(b"\n")
             for line in lines:
-                pid = _fork_template(json.loads(line), listener, list(connections))
-                connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                pid, shown = _fork_template(json.loads(line), listener, list(connections))
+                connection.sendall(json.dumps({"pid": pid, "environ_shown": shown}).encode() + b"\n")
         _reap()
     os._exit(0)  # its forks see their parent gone and end, with their ranks
 
@@ -106,17 +106,20 @@ def _reap() -> None:
             return
 
 
-def _fork_template(request: dict[str, Any], listener: socket.socket, connections: list[socket.socket]) -> int:
+def _fork_template(
+    request: dict[str, Any], listener: socket.socket, connections: list[socket.socket]
+) -> tuple[int, bool]:
+    """The fork's PID, and whether its /proc/PID/environ is the request's environment."""
     shown, showing = os.pipe()  # the child says when its /proc/PID/environ is the request's
     pid = os.fork()
     if pid:
         os.close(showing)
         ready = selectors.DefaultSelector()
         ready.register(shown, selectors.EVENT_READ)
-        ready.select(SHOWN_SECONDS)  # a byte, or its end (it failed): the reply names it either way
+        said = os.read(shown, 1) if ready.select(SHOWN_SECONDS) else b""  # b"" also: it ended first
         ready.close()
         os.close(shown)
-        return pid
+        return pid, said == b"1"
     try:  # the child: what `python -m ddp_notebook.rank.template_process SOCKET` would be, torch imported
         os.close(shown)
         os.setsid()  # as TemplateClient.start starts one: a session of its own
@@ -131,8 +134,7 @@ def _fork_template(request: dict[str, Any], listener: socket.socket, connections
         os.close(log_fd)
         os.environ.clear()
         os.environ.update(request["env"])
-        show_environment(request["env"])
-        os.write(showing, b"1")
+        os.write(showing, b"1" if show_environment(request["env"]) else b"0")
         os.close(showing)
         from ddp_notebook.rank import template_process
 
@@ -227,9 +229,11 @@ class ForkedProcess:
             pass
 
 
-def fork_template(source_socket: str) -> template.TemplateClient | None:
+def fork_template(source_socket: str, environ_shown: bool = False) -> template.TemplateClient | None:
     """A template forked by the source listening at `source_socket`, for this process as one it
-    started now (its environment, its PID as the owner); None if the source does not answer."""
+    started now (its environment, its PID as the owner); None if the source does not answer, or,
+    with `environ_shown`, if the fork's /proc/PID/environ could not be made this environment (a
+    kernel's processes would be taken for the test process's: the kernel starts its own)."""
     client = template.TemplateClient(sys.executable, owner_environment())
     env = template.start_environment(client.environment)
     request = {"socket": client.socket_path, "log": client.log_path, "env": env}
@@ -243,6 +247,9 @@ def fork_template(source_socket: str) -> template.TemplateClient | None:
         shutil.rmtree(client.directory, ignore_errors=True)
         return None
     client.process = ForkedProcess(int(reply["pid"]))  # type: ignore[assignment]
+    if environ_shown and not reply.get("environ_shown"):
+        client.stop()
+        return None
     return client
 
 
