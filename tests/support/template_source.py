@@ -21,6 +21,7 @@ import ctypes
 import gc
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -114,10 +115,8 @@ def _fork_template(
     pid = os.fork()
     if pid:
         os.close(showing)
-        ready = selectors.DefaultSelector()
-        ready.register(shown, selectors.EVENT_READ)
-        said = os.read(shown, 1) if ready.select(SHOWN_SECONDS) else b""  # b"" also: it ended first
-        ready.close()
+        readable, _, _ = select.select([shown], [], [], SHOWN_SECONDS)
+        said = os.read(shown, 1) if readable else b""  # b"" also where it ended first
         os.close(shown)
         return pid, said == b"1"
     try:  # the child: what `python -m ddp_notebook.rank.template_process SOCKET` would be, torch imported
