@@ -96,7 +96,8 @@ class RankFailure:
     ename: str
     evalue: str
     traceback: tuple[str, ...] = ()
-    completed: float | None = None  # seconds since the epoch the rank reported the error
+    # seconds since the epoch the rank raised (where it could not say: reported) the error
+    failed_at: float | None = None
 
     @property
     def summary(self) -> str:
@@ -188,8 +189,8 @@ def short_summary(summary: str) -> str:
 
 def _failure_order(failure: RankFailure) -> tuple[float, int]:
     # ranks with no timestamp sort after those that have one; ties go to the lower rank
-    completed = failure.completed if failure.completed is not None else float("inf")
-    return (completed, failure.rank)
+    failed_at = failure.failed_at if failure.failed_at is not None else float("inf")
+    return (failed_at, failure.rank)
 
 
 class WorldBrokenError(DDPUsageError):

@@ -13,10 +13,11 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from ddp_notebook import DDPCluster
+from ddp_notebook import DDPCluster, RankError
 from ddp_notebook.cell import ipp_adapter
 from ddp_notebook.world.provisioning.local import engine_set_id
 
@@ -233,21 +234,67 @@ def test_the_controller_keeps_no_record_of_cells(world: DDPCluster) -> None:
         _client(world).db_query({"msg_id": {"$ne": ""}}, keys=["msg_id"])
 
 
-def test_a_rank_does_not_echo_the_cells_code(world: DDPCluster) -> None:
+def test_a_rank_does_not_echo_the_cells_code(world: DDPCluster, tmp_path: Path) -> None:
     """No execute_input on IOPub (a quarter of a trivial cell's messages per rank); the output,
     the statuses and the reply still come."""
     client = _client(world)
     seen: list[str] = []
     engines = [info.engine_id for info in world.ranks]
-    result = client[engines].execute("print('still here')", silent=False, block=False)
+    # the ranks print once the callbacks are on: a loaded machine's IO thread could otherwise take
+    # the output before they are (ipyparallel's own record, `metadata["execute_input"]`, has no such race)
+    gate = tmp_path / "callbacks-on"
+    code = (
+        f"import os, time\ndeadline = time.monotonic() + 30\nwhile not os.path.exists({str(gate)!r})"
+        " and time.monotonic() < deadline:\n    time.sleep(0.01)\nprint('still here')"
+    )
+    result = client[engines].execute(code, silent=False, block=False)
     for future in ipp_adapter.message_futures(result):
         future.iopub_callbacks.append(lambda msg: seen.append(msg["header"]["msg_type"]))
+    gate.touch()
     result.get(timeout=30)
     result.wait_for_output(timeout=30)
     for future in ipp_adapter.message_futures(result):
         metadata = future.output.metadata
         assert metadata["execute_input"] is None and metadata["stdout"] == "still here\n", metadata
     assert "execute_input" not in seen and "stream" in seen, seen
+
+
+SLOW_TO_FORMAT = """
+import os, time
+marker = {marker!r}
+# the traceback's formatting, as 64 ranks on two cores take it: once, in code not of the cell (as
+# IPython's formatting is not), so that the X-ray sees the rank past its cell and the relay waits
+slow = {{}}
+exec(compile(
+    "def slow_str(self):\\n    import time\\n    if not self.formatted:\\n        time.sleep(1.5)\\n"
+    "    self.formatted = True\\n    return 'raised first, formatted slowly'",
+    "formatting.py", "exec"), slow)
+class SlowToFormat(Exception):
+    formatted = False
+    __str__ = slow["slow_str"]
+if rank == 1:
+    open(marker, "w").close()
+    raise SlowToFormat()
+deadline = time.monotonic() + 30
+while not os.path.exists(marker) and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.3)
+raise RuntimeError("gave up waiting for rank 1")
+"""
+
+
+def test_the_rank_that_raised_first_is_the_root_cause_however_long_its_traceback_takes(
+    world: DDPCluster, tmp_path: Path
+) -> None:
+    """Rank 1 raises 0.3 s before rank 0, and its reply goes 1.2 s after rank 0's: the root cause is
+    taken from when each raised (the reply's `engine_info`), not when it replied."""
+    with pytest.raises(RankError) as caught:
+        world.execute(SLOW_TO_FORMAT.format(marker=str(tmp_path / "rank-1-raised")))
+    first, second = caught.value.failures
+    assert (first.rank, first.ename, second.rank, second.ename) == (1, "SlowToFormat", 0, "RuntimeError")
+    assert first.failed_at is not None and second.failed_at is not None
+    assert 0.25 < second.failed_at - first.failed_at < 1.2, (first.failed_at, second.failed_at)
+    world.execute("x = 1")  # the world goes on
 
 
 def test_error_replies_unwrap_to_remote_errors(world: DDPCluster) -> None:

@@ -14,6 +14,7 @@ from ddp_notebook.live.feed import Feed
 from ddp_notebook.rank.cell_journal import CellJournal
 from ddp_notebook.wire import journal as wire
 from ddp_notebook.wire.channel import MESSAGE_VERSION, message_key
+from ddp_notebook.wire.results import ERROR_RAISED_KEY
 from ddp_notebook.world.earlier_cell import EarlierCell
 
 CELL = {"msg_id": "cell-1", "msg_type": "execute_request", "session": "kernel-a"}
@@ -55,14 +56,15 @@ def test_a_cells_output_displays_and_reply_are_kept_and_nothing_else() -> None:
     assert answer["entries"][3][2]["metrics"]["loss"][0] == [0, 1, 2], "arrays answered as JSON lists"
     cell = answer["cell"]
     assert cell is not None and (cell["status"], cell["ended"], cell["session"]) == ("running", None, "kernel-a")
-    journal.sent(
-        "execute_reply",
-        {"status": "error", "ename": "ValueError", "evalue": "bad", "traceback": ["tb 1", "tb 2"]},
-        CELL,
-    )
+    reply = {"status": "error", "ename": "ValueError", "evalue": "bad", "traceback": ["tb 1", "tb 2"]}
+    journal.sent("execute_reply", {**reply, "engine_info": {ERROR_RAISED_KEY: 12.5}}, CELL)
     cell = journal.answer(0, 0)["cell"]
     assert cell is not None and cell["status"] == "error" and cell["ended"] is not None
-    assert cell["error"] == {"ename": "ValueError", "evalue": "bad", "traceback": ["tb 1", "tb 2"]}
+    # when it raised, as the reply says: a detached world's root cause is the rank that raised first
+    assert cell["error"] == {"ename": "ValueError", "evalue": "bad", "traceback": ["tb 1", "tb 2"], "raised": 12.5}
+    journal.begin("cell-1", "kernel-a", "1 / 0")
+    journal.sent("execute_reply", reply, CELL)  # a reply that does not say: None
+    assert journal.answer(0, 0)["cell"]["error"]["raised"] is None  # type: ignore[index]
     journal.told("ddp_notebook.group_broken")
     assert journal.answer(0, 0)["cell"]["told"] == ["ddp_notebook.group_broken"]  # type: ignore[index]
     journal.begin("cell-2", "kernel-b", "x = 1")  # the next cell: the previous one's record goes

@@ -36,9 +36,9 @@ def test_tag_lines() -> None:
 
 
 def test_root_cause_is_the_first_rank_that_failed() -> None:
-    later = RankFailure(0, "RuntimeError", "Connection closed by peer", completed=20.0)
+    later = RankFailure(0, "RuntimeError", "Connection closed by peer", failed_at=20.0)
     first = RankFailure(
-        1, "ValueError", "bad batch", traceback=("Traceback ...", "ValueError: bad batch"), completed=10.0
+        1, "ValueError", "bad batch", traceback=("Traceback ...", "ValueError: bad batch"), failed_at=10.0
     )
     error = RankError([later, first], busy_ranks=(3,))
     assert error.root_cause.rank == 1
@@ -56,7 +56,7 @@ def test_root_cause_is_the_first_rank_that_failed() -> None:
 
 
 def test_failures_without_timestamps_sort_by_rank_after_timed_ones() -> None:
-    error = RankError([RankFailure(2, "E", ""), RankFailure(1, "E", ""), RankFailure(3, "E", "", completed=5.0)])
+    error = RankError([RankFailure(2, "E", ""), RankFailure(1, "E", ""), RankFailure(3, "E", "", failed_at=5.0)])
     assert [f.rank for f in error.failures] == [3, 1, 2]
 
 
@@ -86,13 +86,13 @@ def test_a_large_worlds_failure_report_groups_the_released_ranks() -> None:
     from ddp_notebook.errors import RankDiedError
     from ddp_notebook.wire.results import Death
 
-    root = RankFailure(512, "ValueError", "bad batch", traceback=("ValueError: bad batch",), completed=1.0)
+    root = RankFailure(512, "ValueError", "bad batch", traceback=("ValueError: bad batch",), failed_at=1.0)
     released = [
-        RankFailure(rank, "RuntimeError", f"Connection closed by peer [127.0.0.1]:{40000 + rank}", completed=2.0)
+        RankFailure(rank, "RuntimeError", f"Connection closed by peer [127.0.0.1]:{40000 + rank}", failed_at=2.0)
         for rank in range(1024)
         if rank not in (512, 700)
     ]
-    odd_one = RankFailure(700, "KeyError", "'x'", completed=3.0)
+    odd_one = RankFailure(700, "KeyError", "'x'", failed_at=3.0)
     where = {failure.rank: "all_reduce #412 at cell line 7" for failure in released}
     rendered = RankError([root, *released, odd_one], released_from=where)._render_traceback_()
     assert rendered == [
@@ -124,9 +124,9 @@ GLOO = (
 @pytest.mark.parametrize("size", [2, 3, 4, 8, 16, 1024])
 def test_a_failure_report_has_the_same_shape_at_every_size(size: int) -> None:
     root = RankFailure(
-        0, "ValueError", "bad batch", traceback=("Traceback ...", "ValueError: bad batch"), completed=1.0
+        0, "ValueError", "bad batch", traceback=("Traceback ...", "ValueError: bad batch"), failed_at=1.0
     )
-    released = [RankFailure(r, "RuntimeError", GLOO.format(port=40000 + r), completed=2.0) for r in range(1, size)]
+    released = [RankFailure(r, "RuntimeError", GLOO.format(port=40000 + r), failed_at=2.0) for r in range(1, size)]
     where = {r: "all_reduce #1 at cell line 5" for r in range(1, size)}
     rendered = RankError([root, *released], released_from=where, note="the process group was set up again")
     others = "rank 1" if size == 2 else f"ranks 1-{size - 1}"
@@ -142,14 +142,14 @@ def test_a_failure_report_has_the_same_shape_at_every_size(size: int) -> None:
 
 
 def test_ranks_released_from_different_collectives_and_different_errors_get_a_line_each() -> None:
-    root = RankFailure(2, "ValueError", "bad", completed=1.0)
+    root = RankFailure(2, "ValueError", "bad", failed_at=1.0)
     failures = [
         root,
-        RankFailure(0, "RuntimeError", GLOO.format(port=1), completed=2.0),
-        RankFailure(1, "RuntimeError", GLOO.format(port=2), completed=2.0),
-        RankFailure(3, "RuntimeError", GLOO.format(port=3), completed=2.0),
-        RankFailure(4, "KeyError", "'x'", completed=3.0),
-        RankFailure(5, "KeyError", "'x'", completed=3.0),
+        RankFailure(0, "RuntimeError", GLOO.format(port=1), failed_at=2.0),
+        RankFailure(1, "RuntimeError", GLOO.format(port=2), failed_at=2.0),
+        RankFailure(3, "RuntimeError", GLOO.format(port=3), failed_at=2.0),
+        RankFailure(4, "KeyError", "'x'", failed_at=3.0),
+        RankFailure(5, "KeyError", "'x'", failed_at=3.0),
     ]
     where = {0: "all_reduce #4 at cell line 5", 1: "all_reduce #4 at cell line 5", 3: "barrier #5 at cell line 6"}
     assert RankError(failures, released_from=where)._render_traceback_()[2:] == [

@@ -247,19 +247,23 @@ def test_a_snapshot_that_does_not_load_is_passed_over_and_none_whole_says_so(tmp
         persisting.read_newest(tmp_path, rank=0)
 
 
-WRITES_BEFORE_KILL = 2.0  # a kill falls anywhere in about this many writes
-
-
-def _write_until_killed(folder: Path, first: int, started: int) -> None:
-    """The child: snapshots first, first + 1, ... until it is SIGKILLed (a writer a power loss stops)."""
+def _write_until_killed(folder: Path, first: int, starts: int) -> None:
+    """The child: snapshots first, first + 1, ... until it is SIGKILLed (a writer a power loss stops);
+    a byte on `starts` as each write begins."""
     try:
-        os.write(started, b"!")
         seq = first
         while True:
+            os.write(starts, b"w")
             _write(folder, seq, world_size=2)
             seq += 1
     finally:
         os._exit(1)  # an error of the child's own: the parent sees no newer snapshot
+
+
+def _write_started(starts: int) -> float:
+    """Wait for the child's next write to begin: when it did (as the parent saw it)."""
+    assert select.select([starts], [], [], 30)[0] and os.read(starts, 1) == b"w", "the writer wrote nothing in 30 s"
+    return time.perf_counter()
 
 
 def _unfinished(folder: Path, newest: int) -> bool:
@@ -275,29 +279,25 @@ def test_a_writer_killed_anywhere_in_a_write_leaves_the_newest_whole_snapshot_to
     kills, cut, one_write = 12, 0, 0.0
     for kill in range(-1, kills):
         newest = persisting.whole_snapshots(tmp_path)[-1][0]
-        ready, started = os.pipe()
+        ready, starts = os.pipe()
         child = os.fork()
         if child == 0:
-            _write_until_killed(tmp_path, newest + 1, started)
-        os.close(started)
+            os.close(ready)
+            _write_until_killed(tmp_path, newest + 1, starts)
+        os.close(starts)
         try:
-            # the child is in its loop: the draw is a point in its writes
-            assert select.select([ready], [], [], 30)[0] and os.read(ready, 1) == b"!", "the writer did not start"
-            if kill < 0:  # first, how long a forked writer takes for one snapshot
-                began = time.perf_counter()
-                while persisting.whole_snapshots(tmp_path)[-1][0] == newest:
-                    assert time.perf_counter() - began < 30, "the forked writer wrote no snapshot in 30 s"
-                    time.sleep(0.001)
-                one_write = time.perf_counter() - began
-        except BaseException:
+            # the kill falls in the child's first write, or (at first, then every other kill: the
+            # writer gets on) in its second, at a point drawn over one write's time as the last one
+            # measured took it: a loaded machine's writes are slower, and the point follows them
+            began = _write_started(ready)
+            if kill < 0 or kill % 2:
+                second = _write_started(ready)
+                one_write, began = second - began, second
+            time.sleep(max(0.0, draw.uniform(0, one_write) - (time.perf_counter() - began)))
+        finally:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
-            raise
-        finally:
-            os.close(ready)
-        time.sleep(draw.uniform(0, WRITES_BEFORE_KILL * one_write))
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
+            os.close(ready)  # after the kill: a write to a closed pipe would end the child first
         newest_whole = persisting.whole_snapshots(tmp_path)[-1][0]
         cut += _unfinished(tmp_path, newest_whole)
         written = persisting.read_newest(tmp_path, rank=1)

@@ -79,8 +79,8 @@ def test_a_clean_outcome_gives_the_result() -> None:
 
 
 def test_each_ending_maps_to_one_error() -> None:
-    failure = RankFailure(1, "ValueError", "bad batch", completed=2.0)
-    earlier = RankFailure(0, "RuntimeError", "Connection closed by peer", completed=1.0)
+    failure = RankFailure(1, "ValueError", "bad batch", failed_at=2.0)
+    earlier = RankFailure(0, "RuntimeError", "Connection closed by peer", failed_at=1.0)
     cases = [
         (CellOutcome(result=_result(), ending=Ending.INTERRUPTED, unfinished=(1,)), CellInterruptedError, "stopped"),
         (

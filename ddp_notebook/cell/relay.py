@@ -21,7 +21,7 @@ from typing import Any, Protocol, TextIO
 from ..errors import RankFailure, one_line
 from ..live.xray_readings import RankCollectives
 from ..platform.processes import DEATH_CHECK_SECONDS
-from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
+from ..wire.results import ERROR_RAISED_KEY, GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .large_output import LargeOutput
 from .outcome import Ending
@@ -640,14 +640,14 @@ class CellRelay:
                 if not content or content.get("status") != "error":
                     continue
                 error = unwrap_exception(self._client, content)
-            completed = metadata.get("completed")
+            raised = _raised_at(future)
             found.append(
                 RankFailure(
                     rank=rank,
                     ename=getattr(error, "ename", type(error).__name__),
                     evalue=getattr(error, "evalue", str(error)),
                     traceback=tuple(_traceback_lines(error)),
-                    completed=_epoch_seconds(completed),
+                    failed_at=raised if raised is not None else _epoch_seconds(metadata.get("completed")),
                 )
             )
         return found
@@ -678,6 +678,17 @@ def _traceback_lines(error: Any) -> list[str]:
         except Exception:  # noqa: BLE001
             pass
     return [str(error)]
+
+
+def _raised_at(future: Any) -> float | None:
+    """When a failed rank's cell raised, as its reply says (`ipp_process_adapter.stamp_errors_when_raised`;
+    ipyparallel's metadata takes its error from the IOPub message, which does not say)."""
+    try:
+        reply = future.result()
+    except Exception:  # noqa: BLE001  (no reply: the rank's process died)
+        return None
+    raised = (getattr(reply, "engine_info", None) or {}).get(ERROR_RAISED_KEY)
+    return raised if isinstance(raised, float) else None
 
 
 def _epoch_seconds(stamp: Any) -> float | None:

@@ -143,9 +143,11 @@ def engine_main() -> None:
     _wait_for_connection_file()
     from ipyparallel.engine.app import main
 
-    from .ipp_process_adapter import publish_no_execute_input
+    from ..wire.results import ERROR_RAISED_KEY
+    from .ipp_process_adapter import publish_no_execute_input, stamp_errors_when_raised
 
     publish_no_execute_input()
+    stamp_errors_when_raised(ERROR_RAISED_KEY)
     main()
 
 

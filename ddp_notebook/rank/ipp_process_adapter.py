@@ -30,6 +30,40 @@ def publish_no_execute_input() -> None:
     IPythonParallelKernel._publish_execute_input = _publish_execute_input  # type: ignore[method-assign]
 
 
+def stamp_errors_when_raised(key: str) -> None:
+    """A rank's error reply says when its cell raised (`engine_info[key]`, seconds since the epoch), not only when the
+    reply went.
+
+    Between the two the kernel formats the traceback, which takes seconds when 64 ranks share two
+    cores: by the reply's time a rank that gave up waiting for the failed one could look first,
+    and be named the root cause. The time is taken as the exception reaches the shell
+    (`showtraceback`, before any formatting) and put in the reply as it is finished
+    (`finish_metadata`, which every request of an engine goes through, so it never outlives one).
+    """
+    from ipykernel.zmqshell import ZMQInteractiveShell
+    from ipyparallel.engine.kernel import IPythonParallelKernel
+
+    show, finish = ZMQInteractiveShell.showtraceback, IPythonParallelKernel.finish_metadata
+    raised: list[float] = []
+
+    def showtraceback(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not raised:
+            raised.append(time.time())
+        return show(self, *args, **kwargs)
+
+    def finish_metadata(self: Any, parent: Any, metadata: Any, reply_content: Any) -> Any:
+        if raised and isinstance(reply_content, dict) and reply_content.get("status") == "error":
+            info = reply_content.get("engine_info")
+            if not isinstance(info, dict):
+                info = reply_content["engine_info"] = {}
+            info[key] = raised[0]
+        raised.clear()
+        return finish(self, parent, metadata, reply_content)
+
+    ZMQInteractiveShell.showtraceback = showtraceback  # type: ignore[method-assign]
+    IPythonParallelKernel.finish_metadata = finish_metadata  # type: ignore[method-assign]
+
+
 class _TimeWithoutSleep:
     """The `time` module as `IPController.init_hub` sees it while it runs: every name but `sleep`."""
 

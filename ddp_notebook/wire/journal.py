@@ -53,11 +53,13 @@ class JournalRequest(TypedDict):
 
 
 class JournalError(TypedDict):
-    """What a failed cell's reply said: the exception's name, its message, its traceback's lines."""
+    """What a failed cell's reply said: the exception's name, its message, its traceback's lines,
+    and when the cell raised (seconds since the epoch; None where the reply did not say)."""
 
     ename: str
     evalue: str
     traceback: list[str]
+    raised: float | None
 
 
 class JournalCell(TypedDict):

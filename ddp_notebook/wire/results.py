@@ -16,6 +16,9 @@ SNAPSHOT_OWED_KEY = "ddp_notebook_snapshot_owed"
 # published by a rank whose cell failed because its process group broke (torch's exception type,
 # judged on the rank, where the exception is): the notebook then sets the group up again
 GROUP_BROKEN_KEY = "ddp_notebook_group_broken"
+# in a rank's error reply (its `engine_info`): seconds since the epoch its cell raised, taken before
+# the traceback is formatted (seconds, on a loaded machine), so the rank that failed first is named
+ERROR_RAISED_KEY = "ddp_notebook_raised"
 
 
 @dataclass(frozen=True)

@@ -193,11 +193,11 @@ class _Follower:
         self.sink.flush()
         failures = sorted(
             (
-                RankFailure(rank, error["ename"], error["evalue"], tuple(error["traceback"]), cell["ended"])
+                RankFailure(rank, error["ename"], error["evalue"], tuple(error["traceback"]), _failed_at(cell))
                 for rank, cell in self.cells.items()
                 if (error := cell["error"]) is not None and rank not in self.dead
             ),
-            key=lambda failure: failure.completed or 0.0,
+            key=lambda failure: failure.failed_at or 0.0,
         )
         unfinished = self.running()
         came_back = heal_note = ""
@@ -216,3 +216,9 @@ class _Follower:
             heal_note=heal_note,
             came_back=came_back,
         )
+
+
+def _failed_at(cell: wire.JournalCell) -> float | None:
+    """When a rank's failed cell raised, as its journal says; where it does not, when the cell ended."""
+    error = cell["error"]
+    return (error.get("raised") if error is not None else None) or cell["ended"]
