@@ -12,12 +12,16 @@ cell after `%load_ext` also waits for what the extension preloads between cells)
 `--idle-limit S` and no second kernel: timed from the kill until the last process of the world is
 gone. Prints each repeat's seconds and their median. The user's registry goes to a temporary folder.
 
+`--starts`: `%ddp_start N --detach` (its ranks forked from a template of the world's own) and
+`%ddp_start N --detach --no-warm-start` (fresh interpreters) alternated in one kernel, each followed
+by `%ddp_stop`, each timed as the cell and as the world's own start.
+
 `--journal STEPS`: a cell that prints a line and logs a point per step (STEPS steps) is sent and its
 kernel SIGKILLed as it starts; once the ranks are idle again, a new kernel's `%ddp_attach` and
 `%ddp_wait` (every line and point the ranks kept, shown from the start, and the end) are timed.
 Then what keeping them costs the cell: its steps/s on the ranks of that detached world (which keep
-a journal), against a world started without `--detach` (which keeps none; `--no-warm-start`, so that
-its ranks too are fresh interpreters), alternated, in the same kernel.
+a journal), against a world started without `--detach` (which keeps none; its ranks too are forked
+from a warm template), alternated, in the same kernel.
 """
 
 from __future__ import annotations
@@ -53,7 +57,11 @@ def start_and_kill(ranks: int, extra: str) -> list[int]:
         (path,) = wire.registry_dir().glob("*.json")
         entry = wire.read_entry(path)
         assert entry is not None
-        pids = [entry["controller_pid"], *entry["rank_pids"]]
+        pids = [
+            entry["controller_pid"],
+            *entry["rank_pids"],
+            *([entry["template_pid"]] if entry["template_pid"] else []),
+        ]
         os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
     finally:
         kernel.close()
@@ -86,6 +94,35 @@ def attach_once(ranks: int) -> tuple[float, float, float]:
         kernel.close()
     assert wait_gone(pids) == [], "processes outlived %ddp_stop"
     return listing, seconds, own
+
+
+def starts(ranks: int, repeats: int) -> list[tuple[float, float, float, float]]:
+    """`%ddp_start N --detach` (its ranks forked from a template of the world's own) and the same with
+    `--no-warm-start` (its ranks fresh interpreters, as every detached world's were before), alternated
+    in one kernel: (the cell, the world's own start) seconds of each, per repeat."""
+    from tests.support.kernel import Kernel
+
+    world = "get_ipython().magics_manager.registry['DDPMagics'].world.start_seconds"
+    kernel = Kernel()
+    timed = []
+    try:
+        out, error = kernel.run("%load_ext ddp_notebook")
+        assert error is None, out
+        for _ in range(repeats):
+            pair: list[float] = []
+            for start in (f"%ddp_start {ranks} --detach", f"%ddp_start {ranks} --detach --no-warm-start"):
+                began = time.perf_counter()
+                out, error = kernel.run(start)
+                cell = time.perf_counter() - began
+                assert error is None, out
+                out, error = kernel.run(f"print({world})")
+                pair += [cell, float(out.strip())]
+                out, error = kernel.run("%ddp_stop")
+                assert error is None, out
+            timed.append((pair[0], pair[1], pair[2], pair[3]))
+    finally:
+        kernel.close()
+    return timed
 
 
 def idle_end_once(ranks: int, limit: float) -> float:
@@ -142,8 +179,8 @@ def journal_once(ranks: int, steps: int, pairs: int) -> tuple[float, float, int,
         rates = []
         for _ in range(pairs):
             kept = _loop_rate(kernel, steps)
-            # a world that keeps no journal, its ranks fresh interpreters as a detached world's are
-            out, error = kernel.run(f"%ddp_stop\n%ddp_start {ranks} --no-warm-start")
+            # a world that keeps no journal, its ranks forked from a warm template as a detached world's are
+            out, error = kernel.run(f"%ddp_stop\n%ddp_start {ranks}")
             assert error is None, out
             plain = _loop_rate(kernel, steps)
             out, error = kernel.run(f"%ddp_stop\n%ddp_start {ranks} --detach")
@@ -169,6 +206,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--idle-limit", type=float, default=3.0)
+    parser.add_argument("--starts", action="store_true", help="time %%ddp_start --detach, forked and fresh")
     parser.add_argument("--journal", type=int, default=0, metavar="STEPS", help="time %%ddp_wait and the journal")
     parser.add_argument("--pairs", type=int, default=3, help="with --journal: alternated runs of the loop")
     args = parser.parse_args()
@@ -197,6 +235,18 @@ def main() -> None:
             + ", ".join(f"{kept[1]:.1f}/{plain[1]:.1f} µs" for kept, plain in rates)
             + f" (medians {kept_cpu:.1f} / {plain_cpu:.1f})"
         )
+        return
+    if args.starts:
+        timed = starts(args.ranks, args.repeats)
+        for index, name in ((0, "--detach"), (2, "--detach --no-warm-start")):
+            cells = [run[index] for run in timed]
+            own = [run[index + 1] for run in timed]
+            print(
+                f"%ddp_start {args.ranks} ({name}): the cell {', '.join(f'{s:.2f}' for s in cells)} s (median "
+                f"{statistics.median(cells):.2f} s); the world's start {', '.join(f'{s:.2f}' for s in own)} s"
+            )
+        ratios = [run[0] / run[2] for run in timed]
+        print(f"forked / fresh interpreters, the cell, per pair: {', '.join(f'{r:.2f}' for r in ratios)}")
         return
     runs = [attach_once(args.ranks) for _ in range(args.repeats)]
     listings, cells, own = ([run[index] for run in runs] for index in range(3))

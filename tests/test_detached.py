@@ -3,7 +3,6 @@ to attach to, the listing, the settings a detached world refuses, and the idle l
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import tempfile
@@ -59,6 +58,7 @@ def running_world(tmp_path: Path, world_id: str, size: int = 2, notebook: str = 
         config=config,
         cluster=SimpleNamespace(cluster_id=world_id, profile_dir=str(profile)),
         controller_pid=os.getpid(),
+        template_pid=None,
     )
     if notebook:
         os.environ["JPY_SESSION_NAME"] = notebook
@@ -222,11 +222,10 @@ def test_a_world_that_cannot_be_detached_is_one_line(options: dict[str, Any], me
         WorldConfig.build(2, detach=True, **options)
 
 
-def test_a_detached_world_starts_its_ranks_cold_and_waits_an_hour_by_default() -> None:
+def test_a_detached_world_forks_its_ranks_warm_and_waits_an_hour_by_default() -> None:
     settings = WorldConfig.build(2, backend="gloo", detach=True)
-    assert settings.detach and not settings.warm_start and settings.idle_limit == DEFAULT_IDLE_LIMIT == 3600
-    with pytest.raises(DDPUsageError, match="fresh interpreters"):
-        dataclasses.replace(settings, warm_start=True)
+    assert settings.detach and settings.warm_start and settings.idle_limit == DEFAULT_IDLE_LIMIT == 3600
+    assert not WorldConfig.build(2, backend="gloo", detach=True, warm_start=False).warm_start
     assert not WorldConfig.build(2, backend="gloo").detach
 
 

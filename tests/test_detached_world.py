@@ -217,13 +217,17 @@ def follow_cell_of_an_earlier_kernel(kernel: Kernel, hold: Path, size: int) -> N
         raise AssertionError(f"{out}\n{shown}\nfollowed:\n{followed}\nrun again:\n{rerun}")
 
 
-def test_a_detached_world_nobody_attaches_ends_itself_after_its_idle_limit(registry: Path) -> None:
-    entry, family = start_and_kill(registry, "%ddp_start 2 --detach --idle-limit 3")
-    pids = [entry["controller_pid"], *entry["rank_pids"]]
+@pytest.mark.parametrize("warm", ["", " --no-warm-start"], ids=["forked", "fresh"])
+def test_a_detached_world_nobody_attaches_ends_itself_after_its_idle_limit(registry: Path, warm: str) -> None:
+    entry, family = start_and_kill(registry, f"%ddp_start 2 --detach --idle-limit 3{warm}")
+    # forked (the default): from the world's own template, which ends after its last rank; fresh: none
+    template = [entry["template_pid"]] if entry["template_pid"] else []
+    assert bool(template) == (warm == "")
+    pids = [entry["controller_pid"], *entry["rank_pids"], *template]
     assert [pid for pid in pids if pid_alive(pid)] == pids, "the world outlived its kernel"
     # the limit counts from the kernel's death; the controller looks every 2 s, the ranks get 5 s to leave
     began = time.monotonic()
-    assert wait_gone(family, seconds=30) == []
+    assert wait_gone(family + template, seconds=30) == []
     assert 1.0 < time.monotonic() - began < 3 + 2 + 5 + 5
     assert list(registry.glob("*")) == [] and not os.path.exists(entry["private_dir"])
 
@@ -251,7 +255,8 @@ def test_a_kernel_that_exits_leaves_its_detached_world_running_until_stopped_fro
     finally:
         kernel.close()
     entry = only_entry(registry)
-    pids = [entry["controller_pid"], *entry["rank_pids"]]
+    # the ranks' template, forked from as an ordinary world's are, lasts while they do
+    pids = [entry["controller_pid"], *entry["rank_pids"], entry["template_pid"]]
     time.sleep(1.0)
     assert [pid for pid in pids if pid_alive(pid)] == pids
     from ddp_notebook import DDPCluster

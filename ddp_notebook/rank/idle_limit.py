@@ -108,6 +108,8 @@ class IdleWatch:
         """End the ranks (asked to leave their group and exit, killed when they do not) and the entry."""
         ranks = entry["rank_pids"] if entry is not None else []
         family = ranks + descendants(ranks)  # their DataLoader workers
+        # and the template they were forked from, which ends by itself after the last of them
+        family += [template] if entry is not None and (template := entry.get("template_pid")) else []
         if self.client is not None:
             try:
                 from ddp_notebook.rank import calls

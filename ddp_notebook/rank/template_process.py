@@ -2,7 +2,9 @@
 
 It imports what a rank needs once, then serves fork requests on a private Unix socket (JSON
 lines), reaps its children and reports how each one ended, and exits when its kernel dies,
-taking its children with it. It starts no thread of its own, so its forks are clean.
+taking its children with it. A detached world's template outlives the kernel as its world does: it
+lasts while its children do (the world's controller ends them once idle), and ends after the last.
+It starts no thread of its own, so its forks are clean.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddp_notebook.platform.processes import OWNER_FOLDERS_ENV, OWNER_PID_ENV, SLOT_ENV, pid_alive
+from ddp_notebook.wire.detached import DETACHED_ENV
 
 OWNER_POLL_SECONDS = 0.2
 
@@ -56,13 +59,15 @@ def template_main(socket_path: str) -> None:
     listener.bind(socket_path)
     os.chmod(socket_path, 0o600)
     listener.listen(8)
-    _Template(listener, owner, parent).serve()
+    _Template(listener, owner, parent, detached=bool(os.environ.get(DETACHED_ENV))).serve()
 
 
 class _Template:
-    def __init__(self, listener: socket.socket, owner: int, parent: int) -> None:
+    def __init__(self, listener: socket.socket, owner: int, parent: int, detached: bool = False) -> None:
         self.listener = listener
         self.owner, self.parent = owner, parent
+        self.detached = detached
+        self.forked_any = False
         self.connections: dict[socket.socket, bytes] = {}
         self.children: set[int] = set()
         self.exits: dict[int, int] = {}
@@ -101,6 +106,10 @@ class _Template:
         os._exit(0)
 
     def _owner_alive(self) -> bool:
+        if self.detached:
+            # a detached world's: while its world has a process here; before the first, while the
+            # kernel that started it lives (one killed as the world starts leaves nothing to serve)
+            return bool(self.children) if self.forked_any else os.getppid() == self.parent
         if os.getppid() != self.parent:
             return False  # re-parented: whoever started us is gone
         # a killed kernel stays a zombie until its own parent reaps it: a template that is not the
@@ -127,6 +136,7 @@ class _Template:
                 return {"reply": "error", "error": f"unknown role {role!r}"}
             pid = self._fork(role, request["argv"], request["env"], request["output"], request["cwd"])
             self.children.add(pid)
+            self.forked_any = True
             if role == "controller":
                 folders = request["env"].get(OWNER_FOLDERS_ENV, "")
                 self.owned_folders[pid] = [folder for folder in folders.split(os.pathsep) if folder]

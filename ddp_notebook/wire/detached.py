@@ -45,6 +45,9 @@ class Entry(TypedDict):
     idle_limit: float
     controller_pid: int
     rank_pids: list[int]
+    # the template the ranks were forked from, which ends after the last of them (0: none; read
+    # with .get: an entry written before it has none)
+    template_pid: int
     # who each rank is and where it runs, as the last kernel that formed or healed the group saw it
     ranks: list[dict[str, Any]]
     placements: list[dict[str, Any]]

@@ -132,8 +132,6 @@ class WorldConfig:
         check_seconds("idle limit", self.idle_limit)
         if self.detach:
             _check_detachable(self.launch)
-            if self.warm_start and self.launch.attach is None:
-                raise DDPUsageError("a detached world's ranks start as fresh interpreters: give warm_start=False")
 
     @classmethod
     def build(
@@ -247,9 +245,7 @@ class WorldConfig:
             master_addr=address,
             curve=curve or not is_loopback(address),
             launch=launch,
-            # a detached world's ranks start as fresh interpreters: forked from the warm template
-            # (this kernel's child, which ends with it) they would carry the kernel's watch
-            warm_start=warm_start and not detach,
+            warm_start=warm_start,
             max_restarts=DEFAULT_MAX_RESTARTS if max_restarts is None else int(max_restarts),
             on_loss=str(on_loss),
             check_collectives=bool(check_collectives),

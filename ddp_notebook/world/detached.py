@@ -74,6 +74,7 @@ def record(world: RunningWorld) -> None:
         "idle_limit": config.idle_limit,
         "controller_pid": world.provisioner.controller_pid or 0,
         "rank_pids": [info.pid for info in ranks],
+        "template_pid": world.provisioner.template_pid or int(previous.get("template_pid") or 0),
         "ranks": [dataclasses.asdict(info) for info in ranks],
         "placements": [dataclasses.asdict(placement) for placement in world.layout.placements],
         "routes": {str(rank): list(route) for rank, route in world.layout.routes.items()},

@@ -182,6 +182,11 @@ class Provisioner(ABC):
         """The controller's PID where it runs here; None when it belongs to someone else."""
         return None
 
+    @property
+    def template_pid(self) -> int | None:
+        """The PID of the rank template the ranks were forked from; None when they were not."""
+        return None
+
     @abstractmethod
     def stop(self) -> None:
         """End every process this world started (or let go of engines it did not start)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import sys
 import time
 from typing import Any
@@ -52,12 +53,15 @@ class ControlledProvisioner(Provisioner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cluster: Any = None
+        # chosen before the cluster is made (ipyparallel's form of id): a detached world's processes
+        # are told their entry from the first one on, the rank template that starts beside the controller too
+        self.world_id = f"{int(time.time())}-{secrets.token_hex(2)}"
 
     def owner_environment(self) -> dict[str, str]:
         """Tells the processes whose they are: they exit when this kernel dies (a detached world's
         outlive it: its controller ends the world once idle, the ranks end with their controller)."""
         if self.config.detach:
-            return detached.environment(str(self.cluster.cluster_id), self.config.idle_limit)
+            return detached.environment(self.world_id, self.config.idle_limit)
         return processes.owner_environment()
 
     def make_cluster(self, controller_options: dict[str, Any] | None = None, **options: Any) -> Any:
@@ -70,6 +74,7 @@ class ControlledProvisioner(Provisioner):
             delay=0,
             # no cluster file: nothing here reconnects to a world from another process
             cluster_file="",
+            cluster_id=self.world_id,
             controller_ip=self.config.master_addr,
             controller_args=[
                 f"--HeartMonitor.period={period}",

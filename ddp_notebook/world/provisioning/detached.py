@@ -90,11 +90,18 @@ class DetachedProvisioner(Provisioner):
 
     @property
     def pids(self) -> list[int]:
-        return [self.entry["controller_pid"], *self.entry["rank_pids"]] if self.found is not None else []
+        if self.found is None:
+            return []
+        template = [self.template_pid] if self.template_pid else []
+        return [self.entry["controller_pid"], *self.entry["rank_pids"], *template]
 
     @property
     def controller_pid(self) -> int | None:
         return self.found["controller_pid"] if self.found is not None else None
+
+    @property
+    def template_pid(self) -> int | None:
+        return (self.found.get("template_pid") or None) if self.found is not None else None
 
     attached = False  # the world runs in this kernel: stop() ends it
 
@@ -122,6 +129,8 @@ class DetachedProvisioner(Provisioner):
         controller = entry["controller_pid"]
         # a rank's DataLoader workers, the controller's helpers: all of it ends here
         family = [*ranks, controller, *processes.descendants([*ranks, controller])]
+        # the ranks' template ends by itself after the last of them; waited for (and killed past the wait)
+        family += [self.template_pid] if self.template_pid else []
         if client is not None:
             try:
                 client.shutdown(targets="all", block=False)  # the ranks exit cleanly first

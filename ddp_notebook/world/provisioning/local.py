@@ -57,8 +57,10 @@ class LocalProvisioner(ControlledProvisioner):
         super().__init__(config, private_dir)
         # ranks are forked from a warm template (torch imported once) unless that is off or unsafe
         self.cold_reason = "warm start is off" if not config.warm_start else template.can_fork_ranks(config.env)
-        if warm is None and self.cold_reason is None:
-            warm = spare.take_spare(config.env)  # started at %load_ext, with torch imported by now
+        if warm is None and self.cold_reason is None and not config.detach:
+            # started at %load_ext, with torch imported by now: the kernel's, which ends with it (a
+            # detached world's ranks come from a template of its own, which lasts while they do)
+            warm = spare.take_spare(config.env)
         self.template = warm if self.cold_reason is None and warm is not None and warm.running else None
         if warm is not None and self.template is None:
             warm.stop()
@@ -114,7 +116,10 @@ class LocalProvisioner(ControlledProvisioner):
         return self.client
 
     def keep_warm(self) -> template.TemplateClient | None:
-        """Hand the template over to the next world (a restart), so it is not stopped with this one."""
+        """Hand the template over to the next world (a restart), so it is not stopped with this one
+        (a detached world's tells its processes their world's entry: the next world has its own)."""
+        if self.config.detach:
+            return None
         warm, self.template = self.template, None
         return warm
 
@@ -187,6 +192,10 @@ class LocalProvisioner(ControlledProvisioner):
     def pids(self) -> list[int]:
         warm = [self.template.pid] if self.template is not None and self.template.pid else []
         return launched_pids(self.cluster) + warm
+
+    @property
+    def template_pid(self) -> int | None:
+        return self.template.pid if self.template is not None else None
 
     def stop(self) -> None:
         super().stop()  # the ranks first, cleanly; then the template they were forked from
