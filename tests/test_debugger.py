@@ -72,6 +72,8 @@ def test_quit_ends_the_cell_on_every_rank_and_the_next_cell_works(kernel: Kernel
     assert prompts == ["[rank 1] (Pdb) "]
     assert error == "RankError", out
     assert "DebuggerQuit" in out and "after" not in out  # neither rank ran on past the breakpoint
+    # the root cause is the rank that quit, its traceback the cell's line and no frame of pdb's
+    assert "rank 1 failed first (root cause):" in out and "bdb.py" not in out and "cmd.py" not in out, out
     out, error = kernel.run("%%ddp\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nprint('sum', t.item())")
     assert error is None and "[rank 0] sum 3.0" in out and "[rank 1] sum 3.0" in out, out
 

@@ -408,19 +408,27 @@ def test_ddp_resume_in_a_kernel_after_every_rank_was_lost(tmp_path: Path) -> Non
     try:
         out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --backend gloo", timeout=180)
         assert error is None, out
-        # a cell's end writes a snapshot of its own once the one before is done: how many a cell
-        # that changes nothing adds depends on the machine's speed, so the snapshots of step 0 are
-        # those up to the newest after the setup
         for cell in (SETUP_CELL, WAIT_CELL):
             out, error = kernel.run(cell)
             assert error is None, out
-        last_of_step_0 = persisting.whole_snapshots(tmp_path / "ckpt")[-1][0]
         state = "%%ddp\nprint(step, model.module.weight.detach().tolist())"
         at_start, error = kernel.run(state)
         assert error is None and "[rank 0] 0 " in at_start, at_start
-        for cell in (TRAIN_CELL, WAIT_CELL):
-            out, error = kernel.run(cell)
-            assert error is None, out
+        # a cell's end writes a snapshot of its own once the one before is done (how many a cell that
+        # changes nothing adds depends on the machine's speed), after the cell: the snapshots of step 0
+        # are those up to the newest once every write before the training is done, read by its cell
+        folder = str(tmp_path / "ckpt")
+        out, error = kernel.run(
+            "%%ddp\nfrom pathlib import Path\nfrom ddp_notebook.rank import persisting\n"
+            "from ddp_notebook.rank.calls import persist_wait\n"
+            f"assert persist_wait(60)['idle']\nlast_of_step_0 = persisting.whole_snapshots(Path({folder!r}))[-1][0]\n"
+            f"print('last of step 0', last_of_step_0, flush=True)\n{TRAIN_CELL.removeprefix('%%ddp')}"
+        )
+        assert error is None, out
+        # rank 0 writes each marker, after every rank's part: once it is idle, no write is left
+        (last_of_step_0,) = (int(n) for n in re.findall(r"\[rank 0\] last of step 0 (\d+)", out))
+        out, error = kernel.run(WAIT_CELL)
+        assert error is None, out
         trained, error = kernel.run(state)
         assert error is None and "[rank 0] 5 " in trained and trained != at_start, trained
         out, error = kernel.run("%%ddp\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)")

@@ -128,6 +128,14 @@ class _RankPdb(pdb.Pdb):
         if frame.f_code.co_name != "<module>":
             super().user_return(frame, return_value)
 
+    def trace_dispatch(self, frame: FrameType, event: str, arg: Any) -> Any:
+        __tracebackhide__ = True  # where IPython honours it, this frame is left out of the traceback too
+        try:
+            return super().trace_dispatch(frame, event, arg)
+        except DebuggerQuit as quit:
+            # raised afresh here: the cell's traceback ends at its own line, not in pdb's frames
+            raise DebuggerQuit(str(quit)) from None
+
     def do_quit(self, arg: str) -> Any:
         """q(uit): end the cell (on every rank, after ddp_notebook.breakpoint)."""
         self.set_quit()
