@@ -21,7 +21,7 @@ from typing import Any, Protocol, TextIO
 from ..errors import RankFailure, one_line
 from ..live.xray_readings import RankCollectives
 from ..platform.processes import DEATH_CHECK_SECONDS
-from ..wire.results import ERROR_RAISED_KEY, GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading
+from ..wire.results import GROUP_BROKEN_KEY, SNAPSHOT_OWED_KEY, CellResult, Death, MemoryReading, raised_at
 from .ipp_adapter import message_futures, on_io_thread, unwrap_exception
 from .large_output import LargeOutput
 from .outcome import Ending
@@ -687,8 +687,7 @@ def _raised_at(future: Any) -> float | None:
         reply = future.result()
     except Exception:  # noqa: BLE001  (no reply: the rank's process died)
         return None
-    raised = (getattr(reply, "engine_info", None) or {}).get(ERROR_RAISED_KEY)
-    return raised if isinstance(raised, float) else None
+    return raised_at(getattr(reply, "engine_info", None))
 
 
 def _epoch_seconds(stamp: Any) -> float | None:

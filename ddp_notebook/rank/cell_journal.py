@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from ..wire import journal as wire
-from ..wire.results import ERROR_RAISED_KEY
+from ..wire.results import raised_at
 from ..wire.xray_messages import XRAY_VERSION, error_answer
 from .state import RANK
 
@@ -98,7 +98,7 @@ class CellJournal:
                         "ename": str(content.get("ename", "")),
                         "evalue": str(content.get("evalue", "")),
                         "traceback": [str(line) for line in content.get("traceback") or ()],
-                        "raised": _raised(content),
+                        "raised": raised_at(content.get("engine_info")),
                     }
 
     def data(self, message: dict[str, Any]) -> None:
@@ -218,12 +218,6 @@ def keep(shell: Any) -> CellJournal:
     shell.events.register("pre_run_cell", before_cell)
     adapter.watch_sent(shell, journal.sent)
     return journal
-
-
-def _raised(reply: dict[str, Any]) -> float | None:
-    """When the failed cell raised, as its reply says (`ipp_process_adapter.stamp_errors_when_raised`)."""
-    raised = (reply.get("engine_info") or {}).get(ERROR_RAISED_KEY)
-    return raised if isinstance(raised, float) else None
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,12 @@ GROUP_BROKEN_KEY = "ddp_notebook_group_broken"
 ERROR_RAISED_KEY = "ddp_notebook_raised"
 
 
+def raised_at(engine_info: Any) -> float | None:
+    """When a rank's failed cell raised, as its error reply's `engine_info` says (None: it does not)."""
+    raised = (engine_info if isinstance(engine_info, dict) else {}).get(ERROR_RAISED_KEY)
+    return raised if isinstance(raised, float) else None
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """Where one rank lives."""
