@@ -22,6 +22,7 @@ from tests.support.jupyterlab_server import (
     missing_requirement,
     notebook_text,
     run_all_cells,
+    wait_until_drawn,
     watch_page,
 )
 
@@ -66,6 +67,15 @@ for step in range(5):
 # a cell between the start and the first live view: the page gets plotly.js while it runs
 BETWEEN_CELL = "import time\ntime.sleep(3)"
 
+# every figure of the page holds its traces, and the three outside the live view are there: the
+# rank's own bar figure, the profile's timeline and its memory figure
+DRAWN_JS = """() => {
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  const outside = plots.filter(p => !p.closest('.ddp-live'));
+  return outside.length >= 3 && plots.every(p => (p.data || []).length > 0);
+}"""
+DRAW_SECONDS = 30.0
+
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
@@ -98,7 +108,11 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
             run_all_cells(page)
             picture = ARTIFACTS / "browser-timeout.png"
             samples = watch_page(page, SNAPSHOT_JS, "stopped the world", RUN_SECONDS, 100, picture)
-            page.wait_for_timeout(500)  # let plotly finish drawing before the pictures
+            # plotly draws each figure after its output arrives (a widget's model first, on a loaded
+            # machine seconds after the last cell): the pictures and the checks wait for every figure
+            # to hold its traces, then for plotly to finish drawing
+            wait_until_drawn(page, DRAWN_JS, DRAW_SECONDS)
+            page.wait_for_timeout(500)
             final = page.evaluate(SNAPSHOT_JS)
             page.screenshot(path=ARTIFACTS / "browser-notebook.png", full_page=True)
             page.locator(".ddp-live").first.screenshot(path=ARTIFACTS / "live-view.png")

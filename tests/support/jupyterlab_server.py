@@ -179,6 +179,19 @@ def watch_page(
         page.wait_for_timeout(pause_ms)
 
 
+def wait_until_drawn(page: Any, condition: str, seconds: float) -> bool:
+    """Poll `condition` (a function returning true once the page drew what it should) for up to
+    `seconds`; whether it came true. Past the time the caller's checks read the page as it is, and
+    say what is missing."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(condition, timeout=seconds * 1000, polling=100)
+    except PlaywrightTimeout:
+        return False
+    return True
+
+
 def notebook_text(cells: Sequence[str]) -> str:
     """A notebook of these code cells for the default Python kernel, as a file holds it (without a
     kernelspec, JupyterLab asks which kernel to start and the notebook never runs)."""
