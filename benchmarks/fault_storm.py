@@ -345,6 +345,20 @@ def _inject(world: Any, fault: Fault, storm: Storm, network: Any = None) -> None
         for pid in cut_off:
             _signal(pid, signal.SIGKILL)
     injected_at = began + (fault.at if fault.kind in ("kill", "interrupt", "stop", "link") else 0.0)
+    between_cells = False
+    if failed_at is None and fault.kind in ("kill", "stop", "link"):
+        # its moment came after the cell ended (the cell ran faster than the first epoch): a rank
+        # killed, stopped or cut off between cells is met by the world's next call, which names it,
+        # brings it back at the snapshot of that cell's end and sends nothing ("push again")
+        if timer is not None:
+            timer.join(fault.at + STOP_SECONDS + 5)
+        try:
+            world.push({"FAULT_RANK": -1})
+        except Exception as failure:  # noqa: BLE001  (the fault's outcome, as in the cell)
+            failed_at, between_cells = time.monotonic(), True
+            fault.error = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+            storm.epochs += 1  # the cell before it ended its epoch, and the comeback kept it
+            storm.cells += 1
     if failed_at is None:
         # the fault came after the cell ended (its moment drawn past the cell's end), or did not bite
         fault.survived = world.state == "healthy"
@@ -358,9 +372,9 @@ def _inject(world: Any, fault: Fault, storm: Storm, network: Any = None) -> None
         if fault.kind not in ("kill", "stop", "oom", "link"):  # a death: the comeback brought them back
             fault.steps_redone = _back_to_snapshot(world)  # its first cell sets the group up again
         fault.recover_seconds = round(time.monotonic() - injected_at, 3)
-        _train(world, storm.epochs + 1)  # the same cell again: it goes on from the snapshot
+        _train(world, storm.epochs + 1)  # the same cell again (the next, after one between cells)
         storm.epochs += 1
-        storm.cells += 2
+        storm.cells += 1 if between_cells else 2
         fault.survived = world.state == "healthy" and world.world_size == len(world.ranks)
         if not fault.survived:
             raise RuntimeError(f"the world is {world.state} after the cell that followed the fault")

@@ -26,7 +26,7 @@ pytest.register_assert_rewrite("tests.support")
 
 from tests.support.comms import RecordingComm  # noqa: E402
 from tests.support.notebooks import QUICK_NOTEBOOKS, ExecutedNotebooks  # noqa: E402
-from tests.support.parallel import is_worker  # noqa: E402
+from tests.support.parallel import is_worker, tour_waits_for  # noqa: E402
 from tests.support.processes import owned_pids, profile_files, wait_gone  # noqa: E402
 from tests.support.spare_keeper import session_pids  # noqa: E402
 from tests.support.worlds import shared_world  # noqa: E402
@@ -110,7 +110,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from tests.support.binder_build import BinderBuild
 
-    config.stash[BINDER_BUILD_KEY] = BinderBuild(Path(tempfile.mkdtemp(prefix="ddp-binder-")), background=True).start()
+    build = BinderBuild(Path(tempfile.mkdtemp(prefix="ddp-binder-")), background=True).start()
+    config.stash[BINDER_BUILD_KEY] = build
+    tour_waits_for(config, build.ended)  # its test would wait for the build, a worker idle
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -54,7 +54,19 @@ MODULES = {
 }
 
 
-def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) -> None:
+# as tests/conftest.py says it of the Binder build: the tour waits for a file that never comes here
+WAITING_CONFTEST = """
+from pathlib import Path
+from tests.support.parallel import tour_waits_for
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller hands the work out
+        tour_waits_for(config, lambda: Path("built.json").exists())
+"""
+
+
+def run_two_workers(tmp_path: Path) -> list[dict]:
+    """`pytest -n 2` on MODULES in `tmp_path`: what each test and module fixture noted, in order."""
     for name, count in MODULES.items():
         (tmp_path / name).write_text(textwrap.dedent(TEST_FILE.format(count=count)))
     log = tmp_path / "groups.jsonl"
@@ -72,7 +84,11 @@ def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) 
         timeout=180,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) -> None:
+    entries = run_two_workers(tmp_path)
     tests = [entry for entry in entries if "test" in entry]
     assert len(tests) == sum(MODULES.values()), entries
     modules = [name.removesuffix(".py") for name in MODULES]
@@ -92,3 +108,31 @@ def test_two_workers_keep_groups_and_modules_each_on_one_worker(tmp_path: Path) 
     tour_worker = next(iter(workers_of["test_docs_site"]))
     before_the_tour = set(ran_on[tour_worker][: ran_on[tour_worker].index("test_docs_site")])
     assert before_the_tour in ({"test_jupyterhub", "test_limits"}, {"test_jobs", "test_multinode"}), ran_on
+
+
+def test_the_tour_waits_behind_the_other_modules_while_its_environment_builds(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(WAITING_CONFTEST)
+    tests = [entry for entry in run_two_workers(tmp_path) if "test" in entry]
+    assert len(tests) == sum(MODULES.values()), tests
+    order = [entry["test"] for entry in tests]
+    first = {module: order.index(module) for module in dict.fromkeys(order)}
+    # its build never ends here: every other unit is handed out before it, the tour last of all
+    assert first["test_docs_site"] > max(first["test_alpha"], first["test_beta"]), order
+
+
+def test_the_tour_goes_first_once_built_and_last_while_building() -> None:
+    from collections import OrderedDict
+
+    from tests.support.parallel import TOUR, place_tour
+
+    queue = OrderedDict.fromkeys([TOUR, "test_alpha", "test_beta"], {})
+    place_tour(queue, ready=False)
+    assert list(queue) == ["test_alpha", "test_beta", TOUR]
+    place_tour(queue, ready=True)
+    assert list(queue) == [TOUR, "test_alpha", "test_beta"]
+    alone = OrderedDict.fromkeys([TOUR], {})
+    place_tour(alone, ready=False)  # all that is left: handed out, its test waits for the build
+    assert list(alone) == [TOUR]
+    without = OrderedDict.fromkeys(["test_alpha", "test_beta"], {})
+    place_tour(without, ready=True)
+    assert list(without) == ["test_alpha", "test_beta"]

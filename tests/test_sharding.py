@@ -133,7 +133,7 @@ def test_sharded_models_keep_working_after_a_heal(three_ranks: DDPCluster) -> No
     with pytest.raises(RankError) as caught:
         world.execute(TRAIN, stream=False)  # the others wait in FSDP's collectives for rank 1
     assert caught.value.root_cause.rank == 1
-    assert world.state == "healthy"
+    assert world.state == "healthy", f"{caught.value}\n{world.collectives()}"
     world.execute(
         "import os\nrestarts = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
         "optimizer.zero_grad()\n"

@@ -299,6 +299,7 @@ class CellRelay:
         self.stuck_report = ""  # where the ranks were when the time limit struck
         self.released = False  # whether finished ranks let go of the process group
         self.released_from: dict[int, str] = {}  # rank -> the collective it was released from ("all_reduce #4 ...")
+        self._released_in: dict[int, int] = {}  # rank -> that collective's sequence number
         self.mismatch: Mismatch | None = None  # ranks found in collectives that can never match
         self._mismatch_watch = MismatchWatch()
         self._displays = RankDisplays()
@@ -454,8 +455,9 @@ class CellRelay:
         return False
 
     def _replies_on_their_way(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> bool:
-        """Whether a rank not done yet has left the cell's code (its reply is being sent), within
-        REPLY_GRACE_SECONDS of the first grace's end."""
+        """Whether a rank not done yet has left the cell's code (its reply is being sent), or is still
+        in the collective it was released from (its failure is on its way: a starved process takes
+        seconds to see its connections shut), within REPLY_GRACE_SECONDS of the first grace's end."""
         if clock.replies_until is None:
             clock.replies_until = now + REPLY_GRACE_SECONDS
         running = tuple(rank for rank in self.unfinished() if rank not in self.dead)
@@ -465,7 +467,10 @@ class CellRelay:
             readings = supervisor.collectives(running)
         except Exception:  # noqa: BLE001  (no reading: the wait ends as it would have)
             return False
-        return any(not reading.in_cell for reading in readings.values())
+        return any(
+            not reading.in_cell or (reading.current is not None and reading.current.seq == self._released_in.get(rank))
+            for rank, reading in readings.items()
+        )
 
     def _draw_progress_lines(self, clock: _WaitClock, sink: OutputSink, assembler: LineAssembler) -> None:
         """A few times a second, the lowest rank's unfinished progress line on each stream, drawn in place.
@@ -552,6 +557,7 @@ class CellRelay:
             if current is not None:
                 line = f" at cell line {reading.cell_line}" if reading.cell_line is not None else ""
                 self.released_from[rank] = f"{current.op} #{current.seq}{line}"
+                self._released_in[rank] = current.seq
 
     def _stop_ranks(self, clock: _WaitClock, supervisor: CellSupervisor, now: float) -> None:
         supervisor.interrupt(self._ranks)

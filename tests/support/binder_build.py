@@ -192,6 +192,10 @@ class BinderBuild:
         except BaseException as error:  # noqa: BLE001  (a skip or a failure too: raised again in wait)
             self._error = error
 
+    def ended(self) -> bool:
+        """Whether the build has ended, built or not (read from its folder: any process may ask)."""
+        return (self.folder / BUILT).exists() or (self.folder / FAILED).exists()
+
     @staticmethod
     def _hurry(pid_file: Path) -> None:
         try:  # raising a priority back needs CAP_SYS_NICE

@@ -16,15 +16,18 @@ shared world, spare template and source (tests/support/spare_keeper.py), its own
 Each group is one unit of work (`--dist loadgroup`, set here when `-n` is given without `--dist`,
 and told to the workers, which parse the command line afresh); every other module is a group of its
 own (a module's fixtures are set up once, on one worker). The groups are handed out first, longest
-first: the two kinds of one-of-a-kind modules (a worker each), then the tour, to the first worker
-left with two tests or fewer of its group (pytest-xdist hands a worker more work then). By that
-time the Binder environment, built from the session's start at low priority beside the unit
-tests, is ready (about 4 minutes); the Binder test itself is the tour's 12 notebooks, run in it.
+first: the two kinds of one-of-a-kind modules (a worker each); then the tour, but only once the
+Binder environment it runs in is built (from the session's start, by the controller, at nice 19 on
+what the tests leave idle; `place_tour`): until then the other modules go first, where the Binder
+test would have kept a worker waiting for the build (3.5 minutes of 2026-12-04's run). The Binder
+test itself is the tour's 12 notebooks, run in it.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,10 @@ LONGEST_MODULES = (
     "test_persisting.py",
     "test_template.py",
 )
+
+
+# what the tour waits for before it is handed out (set by tests/conftest.py: the controller's Binder build)
+TOUR_READY_KEY = pytest.StashKey[Callable[[], bool]]()
 
 
 def is_worker() -> bool:
@@ -118,3 +125,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     grouped.sort(key=lambda pair: pair[0])  # stable: each unit keeps its order
     first = {id(item) for _, item in grouped}
     items[:] = [item for _, item in grouped] + [item for item in items if id(item) not in first]
+
+
+def tour_waits_for(config: pytest.Config, ready: Callable[[], bool]) -> None:
+    """Hand the tour out only once `ready()` (the Binder environment is built), or when nothing else is left."""
+    config.stash[TOUR_READY_KEY] = ready
+
+
+def place_tour(workqueue: OrderedDict[str, Any], ready: bool) -> None:
+    """Put the tour where the next unit handed out should find it: first once its environment is
+    built; while it is not, behind the other units (its test would only wait, a worker idle, for a
+    build that runs at nice 19 on the cores the other tests leave), unless it is all that is left."""
+    if TOUR not in workqueue or len(workqueue) == 1:
+        return
+    workqueue.move_to_end(TOUR, last=not ready)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.option.dist != "loadgroup" or TOUR_READY_KEY not in config.stash:
+        return None  # pytest-xdist's own
+    from xdist.scheduler import LoadGroupScheduling
+
+    ready = config.stash[TOUR_READY_KEY]
+
+    class TourWhenBuilt(LoadGroupScheduling):
+        """pytest-xdist's groups, the tour handed out once its environment is built (`place_tour`)."""
+
+        def _assign_work_unit(self, node: Any) -> None:
+            place_tour(self.workqueue, ready())
+            super()._assign_work_unit(node)
+
+    return TourWhenBuilt(config, log)
