@@ -2,7 +2,7 @@
 test waited; on 2 cores kept 84-92% busy, what decides the wall time is the CPU every process used).
 
     python benchmarks/suite_cpu.py record cpu.json &   # samples every process twice a second
-    python3 -m pytest -q -p no:cacheprovider -n 2      # the suite (or any run)
+    python3 -m pytest -q -p no:cacheprovider -n 3      # the suite (or any run)
     kill %1                                            # SIGTERM: writes cpu.json
     python benchmarks/suite_cpu.py table cpu.json [--biggest 20]
 

@@ -1,10 +1,10 @@
-"""The suite on two worker processes (`pytest -n 2`, pytest-xdist): which tests run one at a time.
+"""The suite on worker processes (`pytest -n 3`, pytest-xdist): which tests run one at a time.
 
 Much of a test's time is a world waiting out what its behaviour needs (a collective's timeout, a
 heartbeat, a host's silence): on the 2-core machine one test process keeps the cores busy about
-half the time, and two keep them busy. Each worker is a test process of its own, with its own
-shared world, spare template and source (tests/support/spare_keeper.py), its own processes
-(owned_pids) and its own ipyparallel profile (tests/conftest.py). What stays one at a time:
+half the time, two workers 77% of a run, three 90% (docs/testing.md). Each worker is a test process
+of its own, with its own shared world, spare template and source (tests/support/spare_keeper.py),
+its own processes (owned_pids) and its own ipyparallel profile (tests/conftest.py). What stays one at a time:
 
 - the modules that use what the machine has one of, each kind one after another on one worker: the
   network-namespace hosts with their sshd and Slurm daemons (`hosts`); a hub and its Linux users,
