@@ -105,13 +105,12 @@ def binder_test_may_run(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     # the controller of `pytest -n` runs no test: it builds the Binder environment from the start,
-    # and the tour (the Binder test first) is handed out once it has ended
+    # at nice 19, and the tour (the Binder test first) is handed out once it has ended
     if is_worker() or not config.getoption("numprocesses", None) or not binder_test_may_run(config):
         return
     from tests.support.binder_build import BinderBuild
 
-    # at the tests' own priority: the tour waits for it, and at nice 19 it starved beside the workers
-    build = BinderBuild(Path(tempfile.mkdtemp(prefix="ddp-binder-")), background=True, nice=0).start()
+    build = BinderBuild(Path(tempfile.mkdtemp(prefix="ddp-binder-")), background=True).start()
     config.stash[BINDER_BUILD_KEY] = build
     tour_waits_for(config, build.ended)  # its test would wait for the build, a worker idle
 

@@ -8,15 +8,14 @@
    and the same pip command runs from the copy's root, with nothing else installed first.
 3. binder/postBuild runs once after the install (only if present).
 
-The build is mostly pip on one core. tests/conftest.py starts it when the session starts. In one
-test process it runs at the lowest CPU priority (nice 19), so it takes only what the tests before
-the Binder test leave idle; the test then waits for what is left of it, at normal priority where
-this user may raise it back. Under `pytest -n` the controller starts it (which worker runs the test
-is known only then) at the tests' own priority: the tour is handed out only once it has ended
-(tests/support/parallel.py), and at nice 19 beside three busy workers it took past the suite's
-other work, the tour last with its test waiting 4.6 minutes. Should the tour come first, the worker
-that runs the test waits for it through its folder (`BinderBuild.elsewhere`): the controller's build
-writes `built.json` or `failed.json` there when it ends, and the pid of the step it runs.
+The build is mostly pip on one core. tests/conftest.py starts it when the session starts, at the
+lowest CPU priority (nice 19), so it takes only what the tests before the Binder test leave idle;
+the test then waits for what is left of it, at normal priority where this user may raise it back.
+Under `pytest -n` the controller starts it (which worker runs the test is known only then) and
+hands the tour out once it has ended (`ended`, tests/support/parallel.py); should the tour be all
+that is left before then, the worker that runs the test waits for it through its folder
+(`BinderBuild.elsewhere`): the controller's build writes `built.json` or `failed.json` there when it
+ends, and the pid of the step it runs.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ BINDER = ROOT / "binder"
 VENV_SECONDS = 120
 PIP_SECONDS = 480
 POSTBUILD_SECONDS = 300
-# a step's limit while the build runs beside other tests (at nice 19 they may leave it no CPU for
-# long); once the test waits, what is left of the build (mostly pip) must end within WAIT_SECONDS
+# a step's limit while the build runs beside other tests, at nice 19: they may leave it no CPU for
+# long; once the test waits, what is left of the build (mostly pip) must end within WAIT_SECONDS
 BACKGROUND_SECONDS = 3600
 WAIT_SECONDS = PIP_SECONDS
 # in the build's folder: how it ended, the step it runs now, and a waiting test's word to hurry
@@ -146,9 +145,8 @@ class BinderBuild:
     and seconds. `start` begins it in a thread; `wait` gives it back built, or raises what
     stopped it (a pytest skip or failure)."""
 
-    def __init__(self, folder: Path, background: bool, nice: int = 19) -> None:
+    def __init__(self, folder: Path, background: bool) -> None:
         self.folder = folder
-        self.nice = nice  # its CPU priority while it runs beside tests (0: theirs)
         self.repo, self.venv, self.log = folder / "repo", folder / "venv", folder / "build.log"
         self.python = self.venv / "bin" / "python"
         self.dropped: list[str] = []
@@ -237,7 +235,7 @@ class BinderBuild:
         if self._stopping:
             raise RuntimeError("the Binder environment's build was stopped")
         if self._background and not (self.folder / WANTED).exists():
-            command, seconds = (["nice", "-n", str(self.nice)] if self.nice else []) + command, BACKGROUND_SECONDS
+            command, seconds = ["nice", "-n", "19", *command], BACKGROUND_SECONDS
         run_checked(
             command,
             self.repo,

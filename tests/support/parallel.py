@@ -19,8 +19,9 @@ own (a module's fixtures are set up once, on one worker). The groups are handed 
 first: the two kinds of one-of-a-kind modules (a worker each); then the tour, but only once the
 Binder environment it runs in is built (from the session's start, by the controller, at nice 19 on
 what the tests leave idle; `place_tour`): until then the other modules go first, where the Binder
-test would have kept a worker waiting for the build (3.5 minutes of 2026-12-04's run). The Binder
-test itself is the tour's 12 notebooks, run in it.
+test would keep a worker waiting for the build (on 2026-12-04 the build ended 6.5-7.3 minutes into
+a run, about when the tour's turn came; a build that downloads its packages afresh takes longer).
+The Binder test itself is the tour's 12 notebooks, run in it.
 """
 
 from __future__ import annotations
