@@ -80,10 +80,11 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
 # ---------------------------------------------------------------- our processes
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name: state, ppid, ..., starttime at [19]."""
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: state, ppid, ..., utime and stime at [11]
+    and [12], starttime at [19]; None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
             return handle.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -97,7 +98,7 @@ def tree(roots: Sequence[int]) -> list[int]:
     """
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) and fields[0] not in "ZX":
+        if entry.isdigit() and (fields := proc_stat(int(entry))) and fields[0] not in "ZX":
             children.setdefault(int(fields[1]), []).append(int(entry))
     found, frontier = set(roots), list(roots)
     while frontier:
@@ -109,7 +110,7 @@ def tree(roots: Sequence[int]) -> list[int]:
 
 def cpu_seconds(pids: Sequence[int]) -> float:
     """User + system CPU seconds used so far by those of `pids` still alive."""
-    total = sum(int(f[11]) + int(f[12]) for pid in pids if (f := _stat(pid)))
+    total = sum(int(f[11]) + int(f[12]) for pid in pids if (f := proc_stat(pid)))
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -123,7 +124,7 @@ class Tracker:
         """Note everything below this process and below `roots`; returns the tree of `roots`."""
         below = tree(list(roots))
         for pid in set(tree([os.getpid()])) | set(below):
-            if pid != os.getpid() and (fields := _stat(pid)):
+            if pid != os.getpid() and (fields := proc_stat(pid)):
                 self.seen.setdefault(pid, fields[19])
         return [pid for pid in below if pid in self.seen]
 
@@ -132,7 +133,7 @@ class Tracker:
         return [
             pid
             for pid in pids
-            if pid in self.seen and (f := _stat(pid)) and f[19] == self.seen[pid] and f[0] not in "ZX"
+            if pid in self.seen and (f := proc_stat(pid)) and f[19] == self.seen[pid] and f[0] not in "ZX"
         ]
 
     def leaked(self, pids: Sequence[int] | None = None, grace: float = LEAK_GRACE) -> list[int]:

@@ -1,5 +1,5 @@
 """Where the suite's CPU goes, by kind of process (the wall-clock tables of suite_time.py say where a
-test waited; on 2 cores kept 84-92% busy, what decides the wall time is the CPU every process used).
+test waited; on 2 cores kept about 90% busy, what decides the wall time is the CPU every process used).
 
     python benchmarks/suite_cpu.py record cpu.json &   # samples every process twice a second
     python3 -m pytest -q -p no:cacheprovider -n 3      # the suite (or any run)
@@ -22,6 +22,8 @@ import signal
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from harness import proc_stat
 
 TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE_SECONDS = 0.5
@@ -46,14 +48,16 @@ KINDS = [
 
 def _read(pid: int) -> tuple[int, float, str] | None:
     """(start time in ticks, CPU seconds, command line) of `pid`, None once it is gone."""
+    fields = proc_stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-        fields = stat[stat.rindex(")") + 2 :].split()
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except (OSError, ValueError):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        if not command:  # a kernel thread: its name
+            command = f"[{Path(f'/proc/{pid}/comm').read_text(errors='replace').strip()}]"
+    except OSError:
         return None
-    name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    return int(fields[19]), (int(fields[11]) + int(fields[12])) / TICK, command.strip()[:300] or f"[{name}]"
+    if fields is None:
+        return None
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / TICK, command[:300]
 
 
 def record(out: Path) -> None:

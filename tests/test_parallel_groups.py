@@ -57,10 +57,10 @@ MODULES = {
 # as tests/conftest.py says it of the Binder build: the tour waits for a file that never comes here
 WAITING_CONFTEST = """
 from pathlib import Path
-from tests.support.parallel import tour_waits_for
+from tests.support.parallel import is_worker, tour_waits_for
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # the controller hands the work out
+    if not is_worker():  # the controller hands the work out
         tour_waits_for(config, lambda: Path("built.json").exists())
 """
 
