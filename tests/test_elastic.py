@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -190,10 +192,11 @@ def test_a_rank_dropped_while_the_world_was_idle_is_named_at_the_next_push_or_pu
     no_leaks: None, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank stopped between cells past the controller's heartbeat: the next push (or pull) names
-    it, the world comes back at the snapshot, sends nothing, and the same push works again."""
+    it, the world comes back at the snapshot, sends nothing, and the same push works again. A rank
+    killed while a push or a pull is on its way to it is named within a second the same way."""
     # the controller drops a silent rank after 4 s instead of 10: the same path, twice, 12 s sooner
     monkeypatch.setattr(controlled, "HEARTBEAT_LIMIT_MS", 4_000)
-    with DDPCluster(size, backend="gloo", collective_timeout=60) as world:
+    with DDPCluster(size, backend="gloo", collective_timeout=60, max_restarts=4) as world:  # 4 losses here
         world.execute("kept = rank * 10\nstep = 0\nddp_notebook.track(step=step)", setup=True)
         world.execute("step = 5")  # the end-of-cell snapshot holds step 5
         _stop_until_dropped(world, size - 1)
@@ -216,8 +219,35 @@ def test_a_rank_dropped_while_the_world_was_idle_is_named_at_the_next_push_or_pu
         # rank 0's new process replayed the setup cell; the others kept their variables
         assert world.pull("kept") == {rank: rank * 10 for rank in range(size)}
         assert world.pull("step") == _everyone(world, 5)
+
+        for doing, call in (("push", lambda: world.push({"lr": 0.2})), ("pull", lambda: world.pull("kept"))):
+            message, seconds = _killed_on_the_way(world, size - 1, call)
+            assert message.startswith(f"rank {size - 1} was killed by SIGKILL"), message
+            assert f"Rank {size - 1} came back" in message and message.endswith(f"{doing} again"), message
+            # named within a second of the death (the supervisor looks every 0.5 s), then the comeback
+            assert seconds < 1.0 + world.last_comeback_seconds + 1.5, (seconds, world.last_comeback_seconds)
+            assert world.state == "healthy"
+        world.push({"lr": 0.2})
+        assert world.pull("lr") == _everyone(world, 0.2)
+        assert world.pull("kept") == {rank: rank * 10 for rank in range(size)}
         pids = world.all_pids
     assert wait_gone(pids) == []
+
+
+def _killed_on_the_way(world: DDPCluster, rank: int, call: Callable[[], object]) -> tuple[str, float]:
+    """`call` (a push or a pull) with `rank` stopped, so that it waits for the rank, which is
+    killed a second in: (the RankDiedError's message, the seconds from the kill to it)."""
+    victim = world.ranks[rank].pid
+    os.kill(victim, signal.SIGSTOP)
+    killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    began = time.monotonic()
+    try:
+        with pytest.raises(RankDiedError) as caught:
+            call()
+    finally:
+        killer.join()
+    return str(caught.value), time.monotonic() - began - 1.0
 
 
 @pytest.mark.parametrize("size", [2, 3, 4], ids=lambda size: f"{size}ranks")

@@ -156,9 +156,23 @@ def go_on_if_lost(
     lost = comeback.lost_before_sending(world, targets)
     if not lost:
         return None
+    what_now = f"nothing was sent: {doing} again" if doing else ""
+    return go_on_after_lost(cluster, world, targets, lost, lifecycle, what_now)
+
+
+def go_on_after_lost(
+    cluster: DDPCluster,
+    world: RunningWorld,
+    targets: tuple[int, ...],
+    lost: dict[int, Death],
+    lifecycle: WorldLifecycle,
+    what_now: str = "",
+) -> CellOutcome:
+    """The world goes on after `lost`, ranks of `targets` lost before or while something was sent
+    to them (a push, a pull); `what_now` ends what the comeback says (do it again)."""
     came_back, why_not = go_on_after_loss(cluster, world, lost, (), lifecycle)
-    if came_back and doing:
-        came_back += f"; nothing was sent: {doing} again"
+    if came_back and what_now:
+        came_back += f"; {what_now}"
     return CellOutcome(CellResult(ranks=targets), dead=lost, came_back=came_back, heal_note=why_not)
 
 
