@@ -475,7 +475,7 @@ class Training(Scenario):
         return (
             {k: result[k] for k in kept}
             | {k: result[k] for k in waits if k in result}
-            | split_threads(result["threads_us_per_step"])
+            | split_threads(result["threads_us_per_step"], result["elapsed_s"] / run.s.steps)
         )
 
     def brief(self, sample: dict[str, Any]) -> str:
@@ -504,14 +504,20 @@ class Training(Scenario):
 TORCH_THREADS = re.compile(r"^native (gloo|pt_|cuda|nccl|ncclProxy|torch)")
 
 
-def split_threads(threads: dict[str, float]) -> dict[str, Any]:
-    """A rank's background CPU per step: torch's own threads, and the rest (the tool's) by name."""
+def split_threads(threads: dict[str, float], seconds_per_step: float | None = None) -> dict[str, Any]:
+    """A rank's background CPU per step: torch's own threads, and the rest (the tool's) by name.
+    Given the steps' wall time, also the tool's threads as a share of one core while they ran: they
+    work on a clock (the X-ray's 4 reports a second, ZMQ's heartbeats), not per step, so per step
+    they grow as a loaded machine slows the steps, and per second they do not."""
     tool = {name: us for name, us in threads.items() if not TORCH_THREADS.match(name)}
-    return {
+    split = {
         "torch_threads_us_per_step": sum(us for name, us in threads.items() if TORCH_THREADS.match(name)),
         "tool_threads_us_per_step": sum(tool.values()),
         "tool_threads": tool,
     }
+    if seconds_per_step:
+        split["tool_threads_core_pct"] = sum(tool.values()) / (seconds_per_step * 1e6) * 100
+    return split
 
 
 # what print_thread_cost shows, in its order: the key in a sample, and its column
@@ -521,6 +527,7 @@ COST_COLUMNS = {
     "torch_threads_us_per_step": "torch's threads",
     "tool_threads_us_per_step": "the tool's threads",
     "launcher_us_per_step": "launcher side",
+    "tool_threads_core_pct": "the tool's threads, % of a core",
 }
 
 
@@ -538,7 +545,8 @@ def print_thread_cost(results: dict[str, Any], summary: dict[str, Any]) -> None:
         top = {n: statistics.median(x["tool_threads"].get(n, 0.0) for x in samples) for n in names}
         shown = ", ".join(f"{n} {us:.0f}" for n, us in sorted(top.items(), key=lambda item: -item[1])[:4] if us >= 0.5)
         summary[name]["cpu_us_per_step"] = medians | {"tool_threads": top}
-        rows.append([entry["label"], *(f"{medians[k]:.0f}" for k in keys), shown or "-"])
+        shares = (f"{medians[k]:.2f}" if k.endswith("_pct") else f"{medians[k]:.0f}" for k in keys)
+        rows.append([entry["label"], *shares, shown or "-"])
     print_table(["us per step (rank 0)", *(COST_COLUMNS[k] for k in keys), "largest of the tool's"], rows)
 
 

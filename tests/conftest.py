@@ -106,7 +106,7 @@ def binder_test_may_run(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     # the controller of `pytest -n` runs no test: it builds the Binder environment from the start,
     # at nice 19, and the tour (the Binder test first) is handed out once it has ended
-    if is_worker() or not config.getoption("numprocesses", None) or not binder_test_may_run(config):
+    if is_worker(config) or not config.getoption("numprocesses", None) or not binder_test_may_run(config):
         return
     from tests.support.binder_build import BinderBuild
 
@@ -141,7 +141,7 @@ def binder_build(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         return
     from tests.support.binder_build import BinderBuild
 
-    if is_worker():
+    if is_worker(request.config):
         elsewhere = getattr(request.config, "workerinput", {}).get(BINDER_BUILD_INPUT)
         build = BinderBuild.elsewhere(Path(elsewhere)) if elsewhere else None
         try:

@@ -74,7 +74,10 @@ DRAWN_JS = """() => {
   const outside = plots.filter(p => !p.closest('.ddp-live'));
   return outside.length >= 3 && plots.every(p => (p.data || []).length > 0);
 }"""
-DRAW_SECONDS = 30.0
+# a poll, so only a figure that never comes waits it out: the rank's own FigureWidget carries all of
+# plotly.js (5 MB) through the rank, the controller and the kernel; a CI run at three test workers
+# once left it undrawn at 30 s
+DRAW_SECONDS = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
             # plotly draws each figure after its output arrives (a widget's model first, on a loaded
             # machine seconds after the last cell): the pictures and the checks wait for every figure
             # to hold its traces, then for plotly to finish drawing
-            wait_until_drawn(page, DRAWN_JS, DRAW_SECONDS)
+            drawn_in_time = wait_until_drawn(page, DRAWN_JS, DRAW_SECONDS)
             page.wait_for_timeout(500)
             final = page.evaluate(SNAPSHOT_JS)
             page.screenshot(path=ARTIFACTS / "browser-notebook.png", full_page=True)
@@ -139,7 +142,8 @@ def test_live_view_in_jupyterlab(lab: Lab) -> None:
     growing = {max(trace[2] for trace in s["traces"]) for s in samples if s["traces"]}
     assert len([n for n in growing if 0 < n < EPOCHS * BATCHES]) >= 3, sorted(growing)
     # the rank's own tqdm bar and plotly figure came through too
-    assert final["otherPlots"][0] == ["bar"]
+    drawn_note = f"every figure drawn within {DRAW_SECONDS:.0f} s: {drawn_in_time}"
+    assert final["otherPlots"][0] == ["bar"], (drawn_note, final["otherPlots"], final["errors"])
     # the profiled cell's timeline, drawn: a lane per rank and its collectives, bars in them
     assert len(final["profileLanes"]) == 1, final["otherPlots"]
     *lanes, drawn = final["profileLanes"][0]

@@ -60,7 +60,7 @@ from pathlib import Path
 from tests.support.parallel import is_worker, tour_waits_for
 
 def pytest_configure(config):
-    if not is_worker():  # the controller hands the work out
+    if not is_worker(config):  # the controller hands the work out
         tour_waits_for(config, lambda: Path("built.json").exists())
 """
 
@@ -70,8 +70,9 @@ def run_two_workers(tmp_path: Path) -> list[dict]:
     for name, count in MODULES.items():
         (tmp_path / name).write_text(textwrap.dedent(TEST_FILE.format(count=count)))
     log = tmp_path / "groups.jsonl"
+    # not a worker's own PYTEST_XDIST_* where this test runs under -n: the pytest started here is a controller
     env = {
-        **os.environ,
+        **{name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")},
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "GROUPS_LOG": str(log),
     }

@@ -118,6 +118,10 @@ def _stop_in_debugger(*_args: Any, **_kwargs: Any) -> None:
 
 
 def _answer_forever(server: socket.socket, key: bytes | None) -> None:
+    # a report's one-off imports (pdb's among them) now, not in the first cell that trains
+    from ..wire import stacks  # noqa: F401
+    from . import debugger, timing  # noqa: F401
+
     while True:
         try:
             connection, _ = server.accept()

@@ -67,8 +67,10 @@ LONGEST_MODULES = (
 TOUR_READY_KEY = pytest.StashKey[Callable[[], bool]]()
 
 
-def is_worker() -> bool:
-    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+def is_worker(config: pytest.Config) -> bool:
+    """Whether this pytest is a worker of `-n` (pytest-xdist gives only those a `workerinput`); not the
+    environment's PYTEST_XDIST_WORKER, which a pytest started from inside a worker inherits."""
+    return hasattr(config, "workerinput")
 
 
 def group_of(path: Path) -> str | None:
