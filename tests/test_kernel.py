@@ -21,12 +21,38 @@ def kernel() -> Iterator[Kernel]:
     yield from running_kernel()
 
 
+# whether the kernel's %ddp_* magics hold a running world
+WORLD_RUNNING = (
+    "magics = get_ipython().magics_manager.registry.get('DDPMagics')\n"
+    "print('running:', magics is not None and magics.world is not None and magics.world.running)"
+)
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Kernel]:
+    yield from running_kernel()
+
+
+@pytest.fixture
+def worlds_kernel(shared: Kernel) -> Iterator[Kernel]:
+    """The module's one kernel, for the tests that start a world in it and stop it (as a user does
+    one world after another in a notebook): each test leaves it with no world running, checked here;
+    a test that failed midway leaves one, stopped here so the next test starts as from a fresh kernel."""
+    yield shared
+    out, error = shared.run(WORLD_RUNNING)
+    if error is None and "running: False" in out:
+        return
+    shared.run("%ddp_stop")
+    pytest.fail(f"the test left a world running in the module's kernel (stopped now): {out}")
+
+
 # 3 ranks in the core subset (benchmarks/compat.py): a middle rank, and more than a pair
 SIZES = [pytest.param(size, id=f"{size}ranks", marks=[pytest.mark.core] if size == 3 else []) for size in (2, 3, 4)]
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(kernel: Kernel, size: int) -> None:
+def test_a_raise_and_an_interrupt_release_every_rank_and_keep_their_state(worlds_kernel: Kernel, size: int) -> None:
+    kernel = worlds_kernel
     out, error = kernel.run(f"%load_ext ddp_notebook\n%ddp_start {size}")
     assert error is None, out
     pids = kernel_world_pids(kernel)
@@ -85,7 +111,8 @@ def _start_tracking_a_step(kernel: Kernel, start: str) -> list[int]:
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(kernel: Kernel, size: int) -> None:
+def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(worlds_kernel: Kernel, size: int) -> None:
+    kernel = worlds_kernel
     old = _start_tracking_a_step(kernel, f"%ddp_start {size}")
     last = size - 1
     began = time.monotonic()
@@ -117,7 +144,8 @@ def test_a_dead_rank_comes_back_with_its_state_and_restart_works_in_a_kernel(ker
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_a_world_started_to_shrink_goes_on_with_the_survivors_in_a_kernel(kernel: Kernel, size: int) -> None:
+def test_a_world_started_to_shrink_goes_on_with_the_survivors_in_a_kernel(worlds_kernel: Kernel, size: int) -> None:
+    kernel = worlds_kernel
     """`%ddp_start N --on-loss shrink`, as launcher worlds do by default: rank 0 is lost (the
     rendezvous moves), the others go on renumbered, at the snapshot; %ddp_restart is whole again."""
     old = _start_tracking_a_step(kernel, f"%ddp_start {size} --on-loss shrink")
