@@ -8,10 +8,13 @@ from it); docs/build.py executes them through the same function for a local buil
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -40,13 +43,21 @@ def execute(
     )
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(path, workdir / path.name)  # as where it is opened: next to itself
-    NotebookClient(
-        notebook,
-        timeout=timeout,
-        startup_timeout=startup_timeout,
-        kernel_name=kernel_name,
-        resources={"metadata": {"path": str(workdir)}},
-    ).execute()
+    # the kernel listens on unix sockets in a private folder: TCP ports picked free may be taken by
+    # another process before the kernel binds them (a parallel test run), and the kernel then hangs
+    sockets = tempfile.mkdtemp(prefix="ddp-kernel-")
+    try:
+        manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "kernel"))
+        NotebookClient(
+            notebook,
+            km=manager,
+            timeout=timeout,
+            startup_timeout=startup_timeout,
+            kernel_name=kernel_name,
+            resources={"metadata": {"path": str(workdir)}},
+        ).execute()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     return notebook
 
 

@@ -6,8 +6,12 @@ world its magics hold, and `outs` checks the ranks' `Out:` lines of a %%ddp cell
 from __future__ import annotations
 
 import json
+import os
 import queue
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +40,6 @@ class CellOutput:
         return kind == "status" and content["execution_state"] == "idle"
 
 
-START_ATTEMPTS = 3
 # where the session's template source listens while the running test wants a spare (set by
 # tests/support/spare_keeper.py; None: each kernel starts its own spare, as a user's does)
 spare_source: Callable[[], tuple[str, tuple[tuple[str, str], ...]] | None] = lambda: None  # noqa: E731
@@ -79,23 +82,17 @@ class Kernel:
     """A real ipykernel with helpers to run a cell and collect what it printed."""
 
     def __init__(self, cwd: str | None = None, spare_from_source: bool = True) -> None:
-        for attempt in range(START_ATTEMPTS):
-            self.manager = KernelManager(kernel_name="python3")
-            self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
-            self.client = self.manager.client()
-            self.client.start_channels()
-            try:
-                self.client.wait_for_ready(timeout=60)
-                break
-            except RuntimeError as failure:
-                # jupyter_client picks five free TCP ports and lets go of them before the kernel
-                # binds them: another process (a world, the other worker's kernel) may take one
-                # first, and the kernel dies at once ("Address already in use"). A new start picks
-                # new ports; a kernel that dies for any other reason dies again and is reported
-                self.client.stop_channels()
-                self.manager.cleanup_resources()
-                if "Kernel died" not in str(failure) or attempt == START_ATTEMPTS - 1:
-                    raise
+        # the kernel listens on unix sockets in a private folder of its own: jupyter_client picks
+        # free TCP ports and lets go of them before the kernel binds them, and under a parallel run
+        # another process (a world, another worker's kernel) may take one first; the kernel then
+        # hangs in its start instead of dying, and the test waits out wait_for_ready's 60 s
+        sockets = tempfile.mkdtemp(prefix="ddp-kernel-")
+        weakref.finalize(self, shutil.rmtree, sockets, True)
+        self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
         self.iopub_bytes = 0  # what the cells run so far sent a frontend: content JSON and binary buffers
         source = spare_source() if spare_from_source else None
         if source is not None:
