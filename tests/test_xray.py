@@ -73,7 +73,8 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
     import subprocess
     import sys
 
-    from ddp_notebook.cell.xray import ProcessWatch
+    from ddp_notebook.cell.xray import ProcessWatch, _verdict, _watch
+    from ddp_notebook.rank.xray import MAX_WATCHERS
 
     key = xray_wire.world_key(str(tmp_path))
     root = str(Path(__file__).resolve().parent.parent)
@@ -89,6 +90,7 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
         for _ in range(2)
     ]
     watch, stranger = ProcessWatch(), ProcessWatch()
+    others: list = []
     try:
         addresses = []
         for process in ranks:
@@ -111,6 +113,20 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
         ranks[0].stdout.readline()
         time.sleep(0.3)
         assert watch.ended(reach, infos) == {}, "releasing a rank closed the notebook's watch"
+        # more notebooks watching than a rank holds: it lets go of the oldest, the first notebook's;
+        # that one confirms the close with a new connection and watches again, no verdict
+        others = [_watch(addresses[0], key) for _ in range(MAX_WATCHERS)]
+        assert all(isinstance(other, socket.socket) for other in others)
+        time.sleep(0.3)
+        assert watch.ended(reach, infos) == {}, "a watcher the rank let go of was taken for the rank's end"
+        assert (infos[0].host, infos[0].pid) in watch._held, "the notebook does not watch rank 0 again"
+        # a watcher whose notebook closed its end goes before the oldest live one
+        others[2].close()
+        time.sleep(0.1)
+        others.append(_watch(addresses[0], key))
+        time.sleep(0.3)
+        assert [_verdict(others[i]) for i in (1, 3, 4)] == [None, None, None], "a live watcher was let go"
+        assert watch.ended(reach, infos) == {}
         # a notebook without the world's key is refused: nothing is held for it
         assert stranger.ended(Reach(str(tmp_path), dict(enumerate(addresses)), b"k" * xray_wire.KEY_BYTES), infos) == {}
         assert stranger._held == {}
@@ -132,6 +148,9 @@ def test_a_watched_rank_elsewhere_is_named_as_soon_as_its_process_ends(tmp_path:
     finally:
         watch.close()
         stranger.close()
+        for other in others:
+            if isinstance(other, socket.socket):
+                other.close()
         for process in ranks:
             process.kill()
             process.wait(10)

@@ -20,6 +20,7 @@ import errno
 import json
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -104,71 +105,100 @@ class ProcessWatch:
     """One held `watch` connection per rank on another host: when the rank's process ends, its
     host closes the connection, and `ended` names the rank at the next death check, where the
     controller's heartbeat takes about 10 s. A host that goes silent (power, network) closes
-    nothing: the heartbeat names that one."""
+    nothing: the connection's keepalive probes go unanswered and `ended` names it SILENT.
+
+    A closed connection is confirmed by a new one before it is a verdict: a rank also lets go of
+    a watcher when more notebooks watch it than it holds (`rank.xray.MAX_WATCHERS`), and a close
+    read late (the first death check after a quiet spell) may be older than what the host does
+    now. Thread-safe: the relay's death checks and the world's regroup both call it."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], socket.socket] = {}  # (host, pid) -> its connection
         self._selector = selectors.DefaultSelector()
         self._tried: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()
 
     def watch(self, reach: Reach, infos: Iterable[RankInfo]) -> None:
         """Open the connections of the ranks among `infos` on other hosts not watched yet."""
-        remote = [i for i in infos if i.rank in reach.remote and (i.host, i.pid) not in self._held]
-        self._open(reach, remote)
+        with self._lock:
+            remote = [i for i in infos if i.rank in reach.remote and (i.host, i.pid) not in self._held]
+            self._open(reach, remote)
 
     def ended(self, reach: Reach, infos: Iterable[RankInfo]) -> dict[int, str]:
         """The ranks among `infos` on other hosts that are gone, each with how it was seen: ENDED
-        (its host closed the connection or refused a new one: the process is gone, the host
-        answers) or SILENT (its host stopped answering the connection's keepalive probes)."""
-        remote = {(i.host, i.pid): i for i in infos if i.rank in reach.remote}
-        refused = self._open(reach, [i for key, i in remote.items() if key not in self._held])
-        gone = {info.rank: ENDED for info in refused}
-        for selected, _ in self._selector.select(timeout=0) if self._held else []:
-            key = selected.data
-            verdict = _verdict(selected.fileobj)  # type: ignore[arg-type]
-            if verdict is None:
-                continue
-            if key in remote:
-                gone[remote[key].rank] = verdict
-            self._drop(key)
-        return gone
+        (its host closed the connection and refused a new one: the process is gone, the host
+        answers) or SILENT (its host stopped answering: the keepalive probes of the connection,
+        or the new connection that confirms a close)."""
+        with self._lock:
+            remote = {(i.host, i.pid): i for i in infos if i.rank in reach.remote}
+            opened = self._open(reach, [i for key, i in remote.items() if key not in self._held])
+            gone = {info.rank: ENDED for info, outcome in opened if outcome is REFUSED}
+            closed: list[RankInfo] = []
+            for selected, _ in self._selector.select(timeout=0) if self._held else []:
+                key, connection = selected.data, selected.fileobj
+                verdict = _verdict(connection)  # type: ignore[arg-type]
+                if verdict is None:
+                    continue
+                self._drop(key, connection)  # type: ignore[arg-type]
+                if key not in remote:
+                    continue
+                if verdict == ENDED:
+                    closed.append(remote[key])
+                else:
+                    gone[remote[key].rank] = verdict
+            for info, outcome in self._open(reach, closed, confirming=True):
+                if outcome is REFUSED:
+                    gone[info.rank] = ENDED
+                elif outcome is NO_ANSWER:
+                    gone[info.rank] = SILENT
+                # watched again: the process lives; None: its host answers and its X-ray does not
+                # (a stopped process): the heartbeat names it
+            return gone
 
-    def _open(self, reach: Reach, infos: list[RankInfo]) -> list[RankInfo]:
-        """Open watch connections to `infos` (those not tried lately); returns the ones refused."""
+    def _open(self, reach: Reach, infos: list[RankInfo], confirming: bool = False) -> list[tuple[RankInfo, Any]]:
+        """Open watch connections to `infos` (those not tried lately, unless `confirming` a close),
+        side by side; returns each one tried with what `_watch` gave, the opened ones now held."""
         now = time.monotonic()
-        due = [i for i in infos if now - self._tried.get((i.host, i.pid), -WATCH_RETRY_SECONDS) >= WATCH_RETRY_SECONDS]
+        due = [
+            i
+            for i in infos
+            if confirming or now - self._tried.get((i.host, i.pid), -WATCH_RETRY_SECONDS) >= WATCH_RETRY_SECONDS
+        ]
         if not due:
             return []
         for info in due:
             self._tried[(info.host, info.pid)] = now
         with ThreadPoolExecutor(max_workers=min(REMOTE_ASKS_AT_ONCE, len(due))) as pool:
             opened = list(pool.map(lambda i: _watch(reach.remote[i.rank], reach.key), due))
-        refused = []
         for info, connection in zip(due, opened):
-            if connection is REFUSED:
-                refused.append(info)
-            elif isinstance(connection, socket.socket):
+            if isinstance(connection, socket.socket):
                 key = (info.host, info.pid)
                 self._held[key] = connection
                 self._selector.register(connection, selectors.EVENT_READ, key)
-        return refused
+        return list(zip(due, opened))
 
-    def _drop(self, key: tuple[str, int]) -> None:
-        connection = self._held.pop(key, None)
-        if connection is not None:
-            self._selector.unregister(connection)
-            connection.close()
+    def _drop(self, key: tuple[str, int], connection: socket.socket | None = None) -> None:
+        """Let go of `connection` (by default the one held for `key`)."""
+        connection = connection or self._held.get(key)
+        if connection is None:
+            return
+        if self._held.get(key) is connection:
+            del self._held[key]
+        self._selector.unregister(connection)
+        connection.close()
 
     def close(self) -> None:
-        for key in list(self._held):
-            self._drop(key)
-        self._selector.close()
+        with self._lock:
+            for key in list(self._held):
+                self._drop(key)
+            self._selector.close()
 
 
 REFUSED = "refused"  # _watch: the host answered and nothing listens on the rank's port
+NO_ANSWER = "no answer"  # _watch: the host did not answer the connection (silent, or unreachable)
 ENDED, SILENT = "ended", "silent"  # how ProcessWatch saw a rank go
-# errors of a watch connection whose peer host stopped answering (keepalive probes unanswered)
-_SILENT_ERRORS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+# errors of a connection whose peer host stopped answering (keepalive probes unanswered, no route)
+_SILENT_ERRORS = {errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
 
 
 def _verdict(connection: socket.socket) -> str | None:
@@ -187,13 +217,17 @@ def _verdict(connection: socket.socket) -> str | None:
 
 def _watch(address: tuple[str, int], key: bytes) -> socket.socket | str | None:
     """A connection the rank at `address` holds open for its process's life; REFUSED when its
-    host refuses the connection (the process that listened there is gone); None otherwise."""
+    host refuses the connection (the process that listened there is gone), NO_ANSWER when the
+    host does not answer it in WATCH_CONNECT_SECONDS; None otherwise (the rank's X-ray did not
+    answer: a stopped or starved process, another key)."""
     try:
         connection = socket.create_connection(address, timeout=WATCH_CONNECT_SECONDS)
     except ConnectionRefusedError:
         return REFUSED
-    except OSError:
-        return None
+    except TimeoutError:
+        return NO_ANSWER
+    except OSError as failure:
+        return NO_ANSWER if failure.errno in _SILENT_ERRORS else None
     # the host's kernel answers keepalive probes whatever its process does (busy, stopped): a
     # host that goes silent fails them within about WATCH_SILENT_SECONDS, before the heartbeat
     connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -209,6 +243,7 @@ def _watch(address: tuple[str, int], key: bytes) -> socket.socket | str | None:
         answer = xray_wire.verified(key, challenge, xray_wire.ANSWER, json.loads(reader.readline()))
         reader.close()
         if isinstance(answer, dict) and answer.get("watching") is True:
+            connection.setblocking(False)  # held, never read: `_verdict` peeks without waiting
             return connection
     except (OSError, ValueError, KeyError):
         pass

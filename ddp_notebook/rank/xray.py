@@ -46,7 +46,7 @@ STABLE_SECONDS = 0.2
 # milliseconds and, 4 times a second, cost a launch-bound GPU step 10%; gloo's takes
 # microseconds, so there every report reads afresh)
 READ_SHARE = 0.01
-# watch connections held at once (a notebook holds one; a new one after a reconnect replaces it)
+# watch connections held at once (a notebook holds one, a notebook following the world another)
 MAX_WATCHERS = 4
 # how the flight recorder names the default group (subgroups from new_group have names of their own)
 _DEFAULT_GROUP = "default_pg"
@@ -144,11 +144,27 @@ def _answer_forever(server: socket.socket, key: bytes | None) -> None:
 
 def _hold(connection: socket.socket) -> None:
     """Keep a watch connection open until this process ends (its end closes it: the notebook's
-    sign that the process is gone). A few at most: a notebook that watches again replaces its old one."""
+    sign that the process is gone). A few at most: past them, the ones whose notebook closed
+    its end go first, then the oldest (whose notebook confirms the close and watches again)."""
+    connection.setblocking(False)  # never read, only checked: a check must not wait out its timeout
     watchers = RANK.xray.watchers
     watchers.append(connection)
+    if len(watchers) > MAX_WATCHERS:
+        for closed in [watcher for watcher in watchers if not _still_watched(watcher)]:
+            watchers.remove(closed)
+            closed.close()
     while len(watchers) > MAX_WATCHERS:
         watchers.pop(0).close()
+
+
+def _still_watched(watcher: socket.socket) -> bool:
+    """Whether the notebook's end of a held watch connection is open (it never writes on it)."""
+    try:
+        return watcher.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def _answer_one(connection: socket.socket, key: bytes | None) -> bool:
