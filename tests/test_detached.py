@@ -288,8 +288,9 @@ def test_on_jupyterhub_the_world_ends_with_the_users_server(tmp_path: Path, monk
     monkeypatch.delenv("JUPYTERHUB_USER", raising=False)
     assert wire.SERVER_ENV not in environment("w1", 60)
     monkeypatch.setenv("JUPYTERHUB_USER", "alice")
+    monkeypatch.setenv("JPY_PARENT_PID", str(os.getppid()))  # what jupyter_client tells a kernel it starts
     told = environment("w1", 60)
-    assert told[wire.SERVER_ENV] == f"{os.getppid()}:{started_at(os.getppid())}", "the kernel's parent: the server"
+    assert told[wire.SERVER_ENV] == f"{os.getppid()}:{started_at(os.getppid())}", "the kernel's launcher: the server"
     assert (told[wire.DETACHED_ENV], told[wire.IDLE_LIMIT_ENV]) == (str(wire.entry_path("w1")), "60")
     running_world(tmp_path, "w1")  # attached (this process): it would never be idle
     watch = idle_limit.IdleWatch(wire.entry_path("w1"), limit=3600, private_dir=None)
@@ -301,3 +302,32 @@ def test_on_jupyterhub_the_world_ends_with_the_users_server(tmp_path: Path, monk
     began = time.monotonic()
     watch.run()
     assert len(ended) == 1 and time.monotonic() - began < 1.0
+
+
+def test_the_users_server_is_the_kernels_launcher_among_its_ancestors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JPY_PARENT_PID names the server where it is an ancestor (a wrapper shell between them too);
+    else a parent running a Jupyter server; else none, and the note says what that means."""
+    from ddp_notebook.platform.processes import ancestors
+    from ddp_notebook.world import users_server
+    from ddp_notebook.world.users_server import UsersServer, find_users_server
+
+    above = ancestors(os.getpid())
+    assert above[0] == os.getppid() and len(above) >= 2
+    monkeypatch.setenv("JPY_PARENT_PID", str(above[1]))  # the grandparent: a shell runs between
+    assert find_users_server() == UsersServer(above[1])
+    assert find_users_server().ends_the_world() == f", or when your server stops (PID {above[1]})"
+    monkeypatch.setenv("JPY_PARENT_PID", str(gone_pid()))  # not an ancestor: another process's word
+    lookup = find_users_server()
+    assert lookup.pid is None and lookup.parent.startswith(f"PID {os.getppid()}, "), lookup
+    assert lookup.ends_the_world().startswith("; your server's stop does not end it: the Jupyter server was not")
+    monkeypatch.delenv("JPY_PARENT_PID")
+    monkeypatch.setattr(
+        users_server,
+        "command_line",
+        lambda pid: "/opt/conda/bin/python3 /opt/conda/bin/jupyterhub-singleuser --ip=0.0.0.0",
+    )
+    assert find_users_server() == UsersServer(os.getppid())  # a parent that is a Jupyter server
+    long_wrapper = "/bin/bash " + "/opt/site/kernels/" * 10 + "start.sh"
+    monkeypatch.setattr(users_server, "command_line", lambda pid: long_wrapper)
+    shown = find_users_server().parent
+    assert len(shown) <= len(f"PID {os.getppid()}, ") + users_server.SHOWN_COMMAND and shown.endswith("..."), shown

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,3 +370,52 @@ def test_one_kernel_at_a_time_drives_a_detached_world_and_its_cell_record_stays_
     finally:
         first.close()
         second.close()
+
+
+# a kernelspec whose command is a wrapper script that does not exec: a shell runs between the server
+# (here: this test process, which starts the kernel as a server would) and the kernel
+WRAPPER = ["/bin/sh", "-c", '"$0" -m ipykernel_launcher -f "$1"; exit $?', sys.executable, "{connection_file}"]
+
+
+def controller_server(entry: wire.Entry) -> str | None:
+    """The user's server a detached world's controller was told (None: none)."""
+    with open(f"/proc/{entry['controller_pid']}/environ", "rb") as handle:
+        told = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    value = told.get(wire.SERVER_ENV.encode())
+    return value.decode() if value is not None else None
+
+
+def test_on_jupyterhub_a_detached_world_belongs_to_the_server_behind_a_kernelspec_wrapper(
+    registry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub's kernel started through a wrapper that does not exec (its parent is a shell): the world
+    is told the server that started the kernel (JPY_PARENT_PID, an ancestor), and %ddp_start says
+    the server's stop ends it; where no server is found among the kernel's parents, %ddp_start says
+    in one line that the server's stop does not end the world, and the world is told no server."""
+    from ddp_notebook.platform.processes import started_at
+
+    monkeypatch.setenv("JUPYTERHUB_USER", "alice")
+    kernel = Kernel(argv=WRAPPER)
+    try:
+        out, error = kernel.run("import os\nprint('parent', os.getppid(), 'launcher', os.environ['JPY_PARENT_PID'])")
+        assert error is None, out
+        parent = int(out.split()[1])
+        assert parent != os.getpid() and out.split()[3] == str(os.getpid()), out  # a shell between them
+        out, error = kernel.run("%load_ext ddp_notebook\n%ddp_start 2 --detach --idle-limit 600")
+        assert error is None, out
+        assert f"or with %ddp_stop, or when your server stops (PID {os.getpid()})" in out, out
+        assert controller_server(only_entry(registry)) == f"{os.getpid()}:{started_at(os.getpid())}"
+        out, error = kernel.run("%ddp_stop")
+        assert error is None, out
+        # a kernel that cannot tell its server (started without JPY_PARENT_PID, its parent a shell)
+        out, error = kernel.run("del os.environ['JPY_PARENT_PID']\n%ddp_start 2 --detach --idle-limit 600")
+        assert error is None, out
+        line = next((line for line in out.splitlines() if "your server's stop does not end it" in line), "")
+        found = f"the Jupyter server was not found among this kernel's parents (its parent is PID {parent}, /bin/sh"
+        assert found in line, out
+        assert controller_server(only_entry(registry)) is None
+        out, error = kernel.run("%ddp_stop")
+        assert error is None, out
+    finally:
+        kernel.close()
+    assert list(registry.glob("*.json")) == []

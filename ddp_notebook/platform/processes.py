@@ -129,6 +129,25 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
+def ancestors(pid: int) -> list[int]:
+    """The parent of `pid`, its parent, and so on up to the first process (nearest first)."""
+    parents = _parents()
+    found: list[int] = []
+    while (pid := parents.get(pid, 0)) > 0 and pid not in found:
+        found.append(pid)
+    return found
+
+
+def command_line(pid: int) -> str:
+    """The command line process `pid` runs, its arguments joined by spaces ("" when unknown: it
+    ended, or this is not Linux)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def _parents() -> dict[int, int]:
     """{pid: parent pid} of every process visible here: /proc on Linux, `ps` elsewhere."""
     proc = Path("/proc")

@@ -24,6 +24,7 @@ from ..wire import detached as wire
 from ..wire.results import RankInfo
 from . import layout as world_layout
 from .config import AttachTarget, WorldConfig
+from .users_server import find_users_server, on_jupyterhub
 
 if TYPE_CHECKING:
     from .running import RunningWorld
@@ -91,11 +92,11 @@ def record(world: RunningWorld) -> None:
 
 def environment(world_id: str, idle_limit: float) -> dict[str, str]:
     """What the processes of a detached world are told: their entry (the controller ends the world
-    from it), the idle limit, and on JupyterHub the user's server (this kernel's parent): the world
+    from it), the idle limit, and on JupyterHub the user's server (`users_server`): the world
     belongs to the server, whose stop ends it, whatever the spawner ends of the server's processes."""
     told = {wire.DETACHED_ENV: str(wire.entry_path(world_id)), wire.IDLE_LIMIT_ENV: f"{idle_limit:g}"}
-    if os.environ.get("JUPYTERHUB_USER"):
-        server = os.getppid()
+    server = find_users_server().pid if on_jupyterhub() else None
+    if server is not None:
         told[wire.SERVER_ENV] = f"{server}:{started_at(server)}"
     return told
 

@@ -14,6 +14,7 @@ from ..wire.results import CellResult, MemoryReading, RankInfo, RankStatus
 from .comeback import Recovered, Recovery
 from .config import is_loopback
 from .state import WorldState
+from .users_server import find_users_server, on_jupyterhub
 
 if TYPE_CHECKING:
     from .cluster import DDPCluster  # the reports read a world (only its type, to import no circle)
@@ -68,9 +69,11 @@ def format_start_summary(world: DDPCluster, warnings: Sequence[str] = ()) -> str
     if world.config.curve:
         notes.append("ipyparallel traffic is encrypted (CurveZMQ)")
     if world.config.detach and attach is None:
+        server = find_users_server().ends_the_world() if on_jupyterhub() else ""
         notes.append(
             "detached: the world outlives this kernel (%ddp_attach in a new kernel attaches again); it ends "
-            f"itself after {world.config.idle_limit:g} s with no cell running and no kernel attached, or with %ddp_stop"
+            f"itself after {world.config.idle_limit:g} s with no cell running and no kernel attached, or with "
+            f"%ddp_stop{server}"
         )
     if world.config.check_collectives:
         notes.append("strict mode: every collective of the default group is checked (op, shapes) before it runs")

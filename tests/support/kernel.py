@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
 
@@ -81,14 +82,24 @@ def adopt_spare_code(socket_path: str, signature: tuple[str, tuple[tuple[str, st
 class Kernel:
     """A real ipykernel with helpers to run a cell and collect what it printed."""
 
-    def __init__(self, cwd: str | None = None, spare_from_source: bool = True) -> None:
+    def __init__(self, cwd: str | None = None, spare_from_source: bool = True, argv: list[str] | None = None) -> None:
+        """`argv`: the kernelspec's command (with `{connection_file}`), where it is not this Python's
+        ipykernel (a wrapper script, as a hub's kernelspec may be)."""
         # the kernel listens on unix sockets in a private folder of its own: jupyter_client picks
         # free TCP ports and lets go of them before the kernel binds them, and under a parallel run
         # another process (a world, another worker's kernel) may take one first; the kernel then
         # hangs in its start instead of dying, and the test waits out wait_for_ready's 60 s
         sockets = tempfile.mkdtemp(prefix="ddp-kernel-")
         weakref.finalize(self, shutil.rmtree, sockets, True)
-        self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        specs = {}
+        if argv is not None:
+            os.makedirs(os.path.join(sockets, "specs", "wrapped"))
+            spec = {"argv": argv, "display_name": "wrapped", "language": "python", "interrupt_mode": "signal"}
+            Path(sockets, "specs", "wrapped", "kernel.json").write_text(json.dumps(spec))
+            specs = {"kernel_spec_manager": KernelSpecManager(kernel_dirs=[os.path.join(sockets, "specs")])}
+        self.manager = KernelManager(
+            kernel_name="wrapped" if argv else "python3", transport="ipc", ip=os.path.join(sockets, "kernel"), **specs
+        )
         self.manager.start_kernel(**({"cwd": cwd} if cwd else {}))
         self.client = self.manager.client()
         self.client.start_channels()
