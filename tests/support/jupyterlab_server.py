@@ -8,10 +8,12 @@ import contextlib
 import importlib.util
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -71,10 +73,14 @@ def jupyterlab(base: Path) -> Iterator[Lab]:
     # no news and no update checks: nothing leaves the machine, no toast over the screenshots
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
     port, token = free_port(), secrets.token_hex(16)
+    # the kernels listen on unix sockets beside their connection files (TCP ports picked free may be
+    # taken by another process before a kernel binds them, under a parallel run): a short folder,
+    # since a socket's path must fit 108 bytes and pytest's tmp_path may not leave that
+    runtime = tempfile.mkdtemp(prefix="lab-runtime-")
     env = {
         **os.environ,
         "JUPYTER_CONFIG_DIR": str(base / "config"),
-        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+        "JUPYTER_RUNTIME_DIR": runtime,
         "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
     }
@@ -91,6 +97,7 @@ def jupyterlab(base: Path) -> Iterator[Lab]:
             f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={root}",
             "--ServerApp.allow_root=True",
+            "--KernelManager.transport=ipc",
             "--LabApp.news_url=None",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         ],
@@ -128,6 +135,7 @@ def jupyterlab(base: Path) -> Iterator[Lab]:
         for pid in wait_gone(sorted(started), 15):
             os.kill(pid, signal.SIGKILL)
         log.close()
+        shutil.rmtree(runtime, ignore_errors=True)
         assert wait_gone(sorted(started), 5) == [], "processes of the JupyterLab session outlived it"
 
 
