@@ -55,7 +55,7 @@ def execute(
             startup_timeout=startup_timeout,
             kernel_name=kernel_name,
             resources={"metadata": {"path": str(workdir)}},
-        ).execute()
+        ).execute(cleanup_kc=True)  # a kernel manager of ours: nbclient shuts its kernel down only when told
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     return notebook

@@ -204,6 +204,8 @@ class Kernel:
         self.client.stop_channels()
         if self.manager.is_alive():
             self.manager.shutdown_kernel(now=True)
+        else:  # killed or shut down by the test: its connection file and sockets go here
+            self.manager.cleanup_resources()
 
 
 def running_kernel(cwd: str | None = None) -> Iterator[Kernel]:
