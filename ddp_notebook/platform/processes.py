@@ -130,12 +130,26 @@ def descendants(pids: list[int]) -> list[int]:
 
 
 def ancestors(pid: int) -> list[int]:
-    """The parent of `pid`, its parent, and so on up to the first process (nearest first)."""
-    parents = _parents()
+    """The parent of `pid`, its parent, and so on up to the first process (nearest first): a few
+    reads of /proc on Linux (every rank a detached world starts asks), a listing of all elsewhere."""
+    parents = None if Path("/proc/self/stat").exists() else _parents()
     found: list[int] = []
-    while (pid := parents.get(pid, 0)) > 0 and pid not in found:
+    while (pid := _parent_of(pid) if parents is None else parents.get(pid, 0)) > 0 and pid not in found:
         found.append(pid)
     return found
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        return _parent_in(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:  # it ended meanwhile
+        return 0
+
+
+def _parent_in(stat: str) -> int:
+    """The parent PID in a /proc/PID/stat line ("pid (comm) state ppid ...": comm may hold spaces
+    and parentheses)."""
+    return int(stat.rpartition(")")[2].split()[1])
 
 
 def command_line(pid: int) -> str:
@@ -159,8 +173,7 @@ def _parents() -> dict[int, int]:
                     stat = (entry / "stat").read_text()
                 except OSError:  # it ended meanwhile
                     continue
-                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-                parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+                parents[int(entry.name)] = _parent_in(stat)
         return parents
     listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10).stdout
     return {int(pid): int(parent) for pid, parent in (line.split() for line in listing.splitlines() if line.strip())}
