@@ -45,6 +45,7 @@ silent; and one more kind of fault is drawn:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -145,8 +146,17 @@ def main() -> int:
     parser.add_argument("--hosts", action="store_true", help="ranks across three network-namespace hosts (root)")
     parser.add_argument("--faults", type=int, default=None, help="end after this many faults (default: at the time)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--stacks-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a storm still running this long prints every thread's stack and exits (where it waits)",
+    )
     args = parser.parse_args()
     exit_on_sigterm()
+    if args.stacks_after is not None:
+        faulthandler.dump_traceback_later(args.stacks_after, exit=True)
     kinds = [kind for kind in (args.kinds or "").split(",") if kind] or [
         kind for kind in KINDS if args.hosts or kind not in HOST_KINDS
     ]

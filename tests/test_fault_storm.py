@@ -24,6 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # given as its first ones
 STORMS = [pytest.param(2, 27, 4, id="2ranks"), pytest.param(3, 27, 6, id="3ranks"), pytest.param(4, 27, 4, id="4ranks")]
 KINDS = {"kill", "raise", "skip", "interrupt", "stop", "oom"}
+# below the test's limit (pytest-timeout, 300 s); a storm takes 35-60 s here, 46 s across hosts
+STACKS_AFTER_SECONDS = 270
 
 
 def oom_unavailable() -> str | None:
@@ -44,6 +46,8 @@ def run_storm(folder: Path, *arguments: str) -> tuple[subprocess.CompletedProces
     out = folder / "storm.json"
     kinds = arguments[list(arguments).index("--kinds") + 1].split(",")
     settings = ["--faults", str(len(kinds)), "--minutes", "5", "--samples", "768", "--json", str(out)]
+    # a storm that hangs shows every thread's stack before the test's own limit ends it unseen
+    settings += ["--stacks-after", str(STACKS_AFTER_SECONDS)]
     done = subprocess.run(
         [sys.executable, "fault_storm.py", *arguments, *settings],
         cwd=BENCHMARKS,
@@ -53,7 +57,7 @@ def run_storm(folder: Path, *arguments: str) -> tuple[subprocess.CompletedProces
         check=False,
     )
     shown = done.stdout[-4000:] + done.stderr[-4000:]
-    assert out.exists(), shown
+    assert out.exists(), done.stdout[-4000:] + done.stderr[-16000:]  # (the stacks, where it hung)
     return done, json.loads(out.read_text(encoding="utf8"))["storm"], shown
 
 
