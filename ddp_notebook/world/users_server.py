@@ -47,9 +47,8 @@ def on_jupyterhub() -> bool:
 
 def find_users_server() -> UsersServer:
     """The server that started this kernel (see the module's note)."""
-    above = ancestors(os.getpid())
     named = os.environ.get("JPY_PARENT_PID", "")
-    if named.isdigit() and int(named) in above:
+    if named.isdigit() and int(named) in ancestors(os.getpid()):
         return UsersServer(int(named))
     parent = os.getppid()
     command = command_line(parent)
